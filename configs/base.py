@@ -1,0 +1,78 @@
+"""Transformer (base) on WMT14 EN→DE: Table 3 row "base" of Vaswani et al. (2017)."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # --- Architecture (§3, Table 3 base) ---
+  config.model = ml_collections.ConfigDict()
+  config.model.vocab_size = 37000  # §5.1: shared source-target BPE vocabulary of about 37k.
+  config.model.d_model = 512
+  config.model.num_heads = 8
+  config.model.d_ff = 2048
+  config.model.num_encoder_layers = 6  # N = 6.
+  config.model.num_decoder_layers = 6
+  config.model.dropout_rate = 0.1  # §5.4 P_drop.
+  config.model.attention_dropout_rate = 0.0  # The paper uses none.
+  config.model.pre_norm = False  # Post-LN, as in §3.1.
+  config.model.learned_positions = False  # Sinusoids (§3.5); Table 3 row E shows they tie.
+  config.model.share_embeddings = True  # §3.4.
+  config.model.max_len = 512  # Position-table rows: longest sentence (or decode) in tokens.
+  config.model.dtype = 'float32'  # 'bfloat16' computes in bf16 with float32 parameters.
+  config.model.layer_norm_epsilon = 1e-6
+
+  # --- Data (§5.1) ---
+  config.dataset = 'wmt14_translate/de-en'  # A tfds name, or 'files' for the *_source/*_target paths below.
+  config.source_lang = 'en'  # EN→DE, the paper's first task; swap for DE→EN.
+  config.target_lang = 'de'
+  config.data_dir = ''  # tfds data directory; '' means $TFDS_DATA_DIR or ~/tensorflow_datasets.
+  config.train_split = 'train'
+  config.eval_split = 'validation'  # newstest2013, the paper's development set.
+  config.test_split = 'test'  # newstest2014, the paper's test set.
+  config.train_source = ''  # Plain or .gz text files, one sentence a line (dataset='files').
+  config.train_target = ''
+  config.eval_source = ''
+  config.eval_target = ''
+  config.test_source = ''
+  config.test_target = ''
+  config.vocab_path = ''  # An existing SentencePiece model; '' trains one into the workdir.
+  config.vocab_type = 'bpe'  # §5.1 byte-pair encoding; 'unigram' is the alternative.
+  config.max_corpus_chars = 10_000_000  # Characters sampled to train the vocabulary.
+  config.max_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.
+  config.eval_max_length = 256  # Longest eval sentence kept whole; longer ones are truncated and counted.
+  config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch.
+  config.eval_tokens_per_batch = 8192  # Per-batch token budget for evaluation and decoding.
+  config.shuffle_buffer_size = 100_000
+  config.num_bucket_boundaries = 16  # Length buckets: a bounded number of compiled shapes.
+
+  # --- Optimisation (§5.3, §5.4) ---
+  config.label_smoothing = 0.1
+  config.warmup_steps = 4000
+  config.learning_rate_factor = 1.0  # Multiplies the paper's schedule (1.0 = exactly the paper).
+  config.adam_b1 = 0.9
+  config.adam_b2 = 0.98
+  config.adam_eps = 1e-9
+  config.grad_clip_norm = 0.0  # 0 disables clipping (the paper does not clip).
+  config.num_train_steps = 100_000  # §5.2: 100k steps for base.
+  config.gradient_accumulation_steps = 1  # Reach 25k-token batches on fewer devices.
+  config.seed = 0
+  config.dropout_rng_impl = 'threefry2x32'  # jax.random implementation for dropout masks.
+
+  # --- Checkpoints, evaluation, logging ---
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 10  # §6.1 averages the last 5 (base) checkpoints; keep at least that.
+  config.eval_every_steps = 1000
+  config.log_every_steps = 100
+  config.num_eval_bleu_sentences = 256  # Validation sentences translated for BLEU at each eval (0: none).
+
+  # --- Decoding (§6.1) ---
+  config.beam_size = 4
+  config.length_penalty_alpha = 0.6
+  config.max_extra_length = 50  # Maximum output length = input length + 50.
+  config.average_last = 5  # Checkpoints averaged for the final model (base: 5).
+
+  # --- Devices ---
+  config.mesh_shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices.
+  return config

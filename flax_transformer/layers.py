@@ -1,0 +1,290 @@
+"""The boxes of the paper's Figure 1 (§3.2-§3.5), as Flax Linen modules.
+
+Every parameter carries logical axis names (`partitioning.py` maps them to the
+device mesh); every tensor-building line says its shape. Letters in einsums:
+b batch, q query length, k key length, h heads, d head size, e d_model,
+f d_ff, v vocabulary, n beams per sentence.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+Dtype = Any
+NEG_INF = -1e9  # Added to masked attention logits; finite so all-masked rows stay NaN-free.
+
+# Initialisers of the reference implementations (tensor2tensor, fairseq, torch).
+xavier_uniform = nn.initializers.xavier_uniform()
+zeros = nn.initializers.zeros_init()
+ones = nn.initializers.ones_init()
+
+
+def projection_init(batch_axes: tuple[int, ...] = ()):
+  """Xavier-uniform over a [e, ..., h, d] kernel, each stacked projection on its own (fan in e, fan out h*d)."""
+  ndim_out_start = 1 + len(batch_axes)
+  return nn.initializers.variance_scaling(
+      1.0, 'fan_avg', 'uniform', in_axis=0,
+      out_axis=(ndim_out_start, ndim_out_start + 1), batch_axis=batch_axes)
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
+  """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same). Returns [max_len, d_model]."""
+  position = np.arange(max_len)[:, None]  # [max_len, 1]
+  div_term = np.power(10000.0, np.arange(0, d_model, 2) / d_model)  # [d_model/2]
+  table = np.zeros((max_len, d_model), dtype=np.float32)  # [max_len, d_model]
+  table[:, 0::2] = np.sin(position / div_term)
+  table[:, 1::2] = np.cos(position / div_term)
+  return table
+
+
+class Embeddings(nn.Module):
+  """§3.4: a [vocab, d_model] matrix, looked up and multiplied by √d_model; `attend` is the pre-softmax projection."""
+  vocab_size: int
+  d_model: int
+  dtype: Dtype = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        'embedding',
+        nn.with_logical_partitioning(nn.initializers.normal(self.d_model**-0.5), ('vocab', 'embed')),
+        (self.vocab_size, self.d_model), jnp.float32)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    """ids [b, l] int32 -> [b, l, e], scaled by √d_model."""
+    embedded = jnp.take(self.embedding, ids, axis=0)  # [b, l, e]
+    return (embedded * jnp.sqrt(self.d_model)).astype(self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """x [b, l, e] -> logits [b, l, v] with the same (transposed) matrix."""
+    return jnp.einsum('ble,ve->blv', x, self.embedding.astype(self.dtype))
+
+
+class OutputProjection(nn.Module):
+  """The pre-softmax linear map when embeddings are not shared (no bias, as in the paper)."""
+  vocab_size: int
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param('kernel', nn.with_logical_partitioning(xavier_uniform, ('embed', 'vocab')),
+                        (x.shape[-1], self.vocab_size), jnp.float32)
+    return jnp.einsum('ble,ev->blv', x, kernel.astype(self.dtype))  # [b, l, v]
+
+
+class PositionalEncoding(nn.Module):
+  """§3.5: adds sinusoidal (default) or learned (Table 3 row E) positions to [b, l, e] embeddings."""
+  max_len: int
+  d_model: int
+  learned: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+    """x [b, l, e]; `offset` is the first position (the decode step when decoding one token at a time)."""
+    length = x.shape[1]
+    if self.learned:
+      table = self.param('position_embedding',
+                         nn.with_logical_partitioning(nn.initializers.normal(self.d_model**-0.5), (None, 'embed')),
+                         (self.max_len, self.d_model), jnp.float32)
+    else:
+      table = jnp.asarray(sinusoidal_positions(self.max_len, self.d_model))  # [max_len, e]
+    positions = jax.lax.dynamic_slice_in_dim(table, offset, length, axis=0)  # [l, e]
+    return x + positions[None].astype(x.dtype)  # [b, l, e]
+
+
+def padding_bias(key_ids: jax.Array) -> jax.Array:
+  """key_ids [b, k] (0 = padding) -> additive bias [b, 1, 1, k]."""
+  return jnp.where(key_ids > 0, 0.0, NEG_INF)[:, None, None, :].astype(jnp.float32)
+
+
+def causal_bias(length: int) -> jax.Array:
+  """-> additive bias [1, 1, length, length] that hides future positions (§3.2.3)."""
+  allowed = jnp.tril(jnp.ones((length, length), dtype=bool))  # [q, k]
+  return jnp.where(allowed, 0.0, NEG_INF)[None, None].astype(jnp.float32)
+
+
+def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None):
+  """§3.2.1: softmax(QKᵀ/√d + bias) V.
+
+  Args:
+    query: [b, q, h, d]; key, value: [b, k, h, d]; bias: broadcastable to [b, h, q, k].
+  Returns:
+    (context [b, q, h, d], weights [b, h, q, k] float32).
+  """
+  depth = query.shape[-1]
+  query = query / jnp.sqrt(depth).astype(query.dtype)
+  logits = jnp.einsum('bqhd,bkhd->bhqk', query, key).astype(jnp.float32)  # [b, h, q, k]
+  weights = jax.nn.softmax(logits + bias, axis=-1)  # [b, h, q, k]
+  if dropout_rate > 0.0 and dropout_rng is not None:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  context = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(value.dtype), value)  # [b, q, h, d]
+  return context, weights
+
+
+class MultiHeadAttention(nn.Module):
+  """§3.2.2 Multi-Head Attention, self- or encoder-decoder, with an optional KV cache for decoding.
+
+  Self-attention projects Q, K, V with one fused [e, 3, h, d] kernel. In decode mode the
+  self-attention keeps keys/values of the steps so far in the 'cache' collection, and the
+  encoder-decoder attention keeps the encoder's projected keys/values, computed once per
+  sentence and shared (not copied) by all beams of that sentence.
+  """
+  num_heads: int
+  d_model: int
+  self_attention: bool
+  attention_dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+
+  def setup(self):
+    head_dim = self.d_model // self.num_heads
+    h = self.num_heads
+    if self.self_attention:
+      self.qkv_kernel = self.param('qkv_kernel', nn.with_logical_partitioning(
+          projection_init((1,)), ('embed', 'qkv', 'heads', 'kv')), (self.d_model, 3, h, head_dim), jnp.float32)
+      self.qkv_bias = self.param('qkv_bias', nn.with_logical_partitioning(zeros, ('qkv', 'heads', 'kv')),
+                                 (3, h, head_dim), jnp.float32)
+    else:
+      self.q_kernel = self.param('q_kernel', nn.with_logical_partitioning(
+          projection_init(), ('embed', 'heads', 'kv')), (self.d_model, h, head_dim), jnp.float32)
+      self.q_bias = self.param('q_bias', nn.with_logical_partitioning(zeros, ('heads', 'kv')),
+                               (h, head_dim), jnp.float32)
+      self.kv_kernel = self.param('kv_kernel', nn.with_logical_partitioning(
+          projection_init((1,)), ('embed', 'qkv', 'heads', 'kv')), (self.d_model, 2, h, head_dim), jnp.float32)
+      self.kv_bias = self.param('kv_bias', nn.with_logical_partitioning(zeros, ('qkv', 'heads', 'kv')),
+                                (2, h, head_dim), jnp.float32)
+    self.out_kernel = self.param('out_kernel', nn.with_logical_partitioning(
+        nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=(0, 1), out_axis=2),
+        ('heads', 'kv', 'embed')), (h, head_dim, self.d_model), jnp.float32)
+    self.out_bias = self.param('out_bias', nn.with_logical_partitioning(zeros, ('embed',)),
+                               (self.d_model,), jnp.float32)
+
+  def _project(self, x, kernel, bias, spec):
+    """x [b, l, e] · kernel [e, ..., h, d] -> [b, l, ..., h, d]."""
+    return jnp.einsum(spec, x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+
+  @staticmethod
+  def _without_key_bias(bias, key_index):
+    """A key bias adds the same q·b to every logit of a query, which softmax cancels: its gradient is
+    pure round-off, which Adam would inflate into full-size random steps. It is held at zero."""
+    keep = np.ones(bias.shape[0], np.float32)
+    keep[key_index] = 0.0
+    return bias * keep[:, None, None]
+
+  def project_memory(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Encoder output [b, k, e] -> (keys, values), each [b, k, h, d]."""
+    kv = self._project(memory, self.kv_kernel, self._without_key_bias(self.kv_bias, 0), 'bke,ejhd->bkjhd')  # [b, k, 2, h, d]
+    return kv[:, :, 0], kv[:, :, 1]
+
+  def _output(self, context):
+    """context [b, q, h, d] -> [b, q, e]."""
+    return jnp.einsum('bqhd,hde->bqe', context, self.out_kernel.astype(self.dtype)) + self.out_bias.astype(self.dtype)
+
+  def _attend(self, query, key, value, bias, deterministic):
+    rate = 0.0 if deterministic else self.attention_dropout_rate
+    rng = self.make_rng('dropout') if rate > 0.0 else None
+    context, weights = scaled_dot_product_attention(query, key, value, bias, rate, rng)
+    # Stored only when the caller asks for mutable=['intermediates'] (attention pictures).
+    self.sow('intermediates', 'attention_weights', weights)
+    return self._output(context)
+
+  def __call__(self, x, bias, memory=None, deterministic=True):
+    """Full-sequence attention (training, scoring, encoding).
+
+    Args:
+      x: queries [b, q, e]; bias: [b or 1, 1, q or 1, k]; memory: encoder output [b, k, e] for
+        encoder-decoder attention, None for self-attention.
+    Returns:
+      [b, q, e].
+    """
+    if self.self_attention:
+      qkv = self._project(x, self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'bqe,ejhd->bqjhd')  # [b, q, 3, h, d]
+      query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [b, q, h, d]
+    else:
+      query = self._project(x, self.q_kernel, self.q_bias, 'bqe,ehd->bqhd')  # [b, q, h, d]
+      key, value = self.project_memory(memory)  # [b, k, h, d]
+    query = nn.with_logical_constraint(query, ('batch', 'length', 'heads', 'kv'))
+    return self._attend(query, key, value, bias, deterministic)
+
+  # --- Incremental decoding -------------------------------------------------------------
+
+  def init_cache(self, batch_size: int, max_len: int, memory: jax.Array | None = None) -> dict:
+    """This layer's decoding cache.
+
+    Self-attention: zero keys/values, each [batch_size, max_len, h, d], filled one step at a time.
+    Encoder-decoder attention: the projected `memory` [b, s, e] keys/values, each [b, s, h, d],
+    computed once per sentence and never reordered by beam search.
+    """
+    if self.self_attention:
+      shape = (batch_size, max_len, self.num_heads, self.d_model // self.num_heads)
+      return {'key': jnp.zeros(shape, self.dtype), 'value': jnp.zeros(shape, self.dtype)}
+    key, value = self.project_memory(memory)
+    return {'key': key, 'value': value}
+
+  def decode_step(self, x, cache, step, memory_bias=None):
+    """One decoding step for every hypothesis.
+
+    Args:
+      x: [b·n, 1, e], the current token's input to this sub-layer (n hypotheses per sentence).
+      cache: this layer's cache (see `init_cache`).
+      step: int32 scalar, the position being decoded.
+      memory_bias: [b, 1, 1, s] source padding bias (encoder-decoder attention only).
+    Returns:
+      ([b·n, 1, e], the updated cache).
+    """
+    if self.self_attention:
+      qkv = self._project(x, self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'bqe,ejhd->bqjhd')  # [bn, 1, 3, h, d]
+      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, :, 1], step, axis=1),
+               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], qkv[:, :, 2], step, axis=1)}
+      max_len = cache['key'].shape[1]
+      bias = jnp.where(jnp.arange(max_len) <= step, 0.0, NEG_INF)[None, None, None, :]  # [1, 1, 1, max_len]
+      return self._attend(qkv[:, :, 0], cache['key'], cache['value'], bias, True), cache
+    # Encoder-decoder attention: the n hypotheses of a sentence share its keys/values.
+    key, value = cache['key'], cache['value']  # [b, s, h, d]
+    batch = key.shape[0]
+    query = self._project(x, self.q_kernel, self.q_bias, 'bqe,ehd->bqhd')  # [bn, 1, h, d]
+    query = query.reshape(batch, -1, *query.shape[2:])  # [b, n, h, d]: hypotheses act as queries
+    context, weights = scaled_dot_product_attention(query, key, value, memory_bias)  # [b, n, h, d]
+    self.sow('intermediates', 'attention_weights',
+             jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, s]
+    context = context.reshape(x.shape[0], 1, *context.shape[2:])  # [bn, 1, h, d]
+    return self._output(context), cache
+
+
+class PositionwiseFeedForward(nn.Module):
+  """§3.3: FFN(x) = max(0, xW1 + b1)W2 + b2."""
+  d_model: int
+  d_ff: int
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [b, l, e] -> [b, l, e]."""
+    w1 = self.param('wi_kernel', nn.with_logical_partitioning(xavier_uniform, ('embed', 'mlp')),
+                    (self.d_model, self.d_ff), jnp.float32)
+    b1 = self.param('wi_bias', nn.with_logical_partitioning(zeros, ('mlp',)), (self.d_ff,), jnp.float32)
+    w2 = self.param('wo_kernel', nn.with_logical_partitioning(xavier_uniform, ('mlp', 'embed')),
+                    (self.d_ff, self.d_model), jnp.float32)
+    b2 = self.param('wo_bias', nn.with_logical_partitioning(zeros, ('embed',)), (self.d_model,), jnp.float32)
+    hidden = jax.nn.relu(jnp.einsum('ble,ef->blf', x, w1.astype(self.dtype)) + b1.astype(self.dtype))  # [b, l, f]
+    hidden = nn.with_logical_constraint(hidden, ('batch', 'length', 'mlp'))
+    return jnp.einsum('blf,fe->ble', hidden, w2.astype(self.dtype)) + b2.astype(self.dtype)  # [b, l, e]
+
+
+class LayerNorm(nn.Module):
+  """Layer normalisation (Ba et al., 2016) over d_model, statistics in float32."""
+  epsilon: float = 1e-6
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    d = x.shape[-1]
+    scale = self.param('scale', nn.with_logical_partitioning(ones, ('norm',)), (d,), jnp.float32)
+    bias = self.param('bias', nn.with_logical_partitioning(zeros, ('norm',)), (d,), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias
+    return y.astype(self.dtype)

@@ -1,0 +1,240 @@
+"""The Transformer of *Attention Is All You Need* (§3, Figure 1): the network only, no losses.
+
+`Transformer(config).apply({'params': p}, inputs, targets)` returns logits whose position t
+predicts `targets[:, t]`: the model shifts the targets right itself, with id 0 (the padding id)
+as the start symbol. Incremental decoding: `init_cache` then `decode_step` (see decode.py).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from flax_transformer import layers
+
+PAD_ID = 0  # Padding, and the decoder's start symbol.
+EOS_ID = 1  # End of sentence.
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """The architecture (§3, Table 3). Defaults are the paper's base model."""
+  vocab_size: int = 37000
+  d_model: int = 512
+  num_heads: int = 8
+  d_ff: int = 2048
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout_rate: float = 0.1  # §5.4 P_drop, on sub-layer outputs and embedding + position sums.
+  attention_dropout_rate: float = 0.0  # The paper has none; tensor2tensor later added it.
+  pre_norm: bool = False  # False: Post-LN, LayerNorm(x + Dropout(Sublayer(x))) as in §3.1.
+  learned_positions: bool = False  # Table 3 row E.
+  share_embeddings: bool = True  # §3.4: one matrix for source, target and pre-softmax.
+  max_len: int = 1024  # Rows of the position table: longest source or output handled.
+  dtype: str = 'float32'  # Compute dtype; parameters stay float32.
+  layer_norm_epsilon: float = 1e-6
+
+  def __post_init__(self):
+    def fail(field, why):
+      raise ValueError(f'config.model.{field}={getattr(self, field)!r}: {why}')
+    if self.vocab_size < 4:
+      fail('vocab_size', 'needs at least 4 ids (pad, eos, unk and one more)')
+    for field in ('d_model', 'num_heads', 'd_ff', 'max_len', 'num_encoder_layers', 'num_decoder_layers'):
+      if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+        fail(field, 'must be a positive integer')
+    if self.d_model % self.num_heads:
+      fail('d_model', f'is not divisible by config.model.num_heads={self.num_heads}')
+    if self.d_model % 2 and not self.learned_positions:
+      fail('d_model', 'must be even for sinusoidal positions')
+    for field in ('dropout_rate', 'attention_dropout_rate'):
+      if not 0.0 <= getattr(self, field) < 1.0:
+        fail(field, 'must be in [0, 1)')
+    if self.dtype not in _DTYPES:
+      fail('dtype', f'unknown value; use one of {sorted(_DTYPES)}')
+    for field in ('pre_norm', 'learned_positions', 'share_embeddings'):
+      if not isinstance(getattr(self, field), bool):
+        fail(field, 'must be True or False')
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @classmethod
+  def from_config(cls, config) -> 'TransformerConfig':
+    """Builds the architecture from a run config's `config.model` (ml_collections.ConfigDict)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = dict(config.model)
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise ValueError(f'config.model.{unknown[0]}: unknown field; known fields are {sorted(fields)}')
+    return cls(**values)
+
+
+class SublayerConnection(nn.Module):
+  """§5.4 residual dropout around a sub-layer, with Post-LN (paper) or Pre-LN placement."""
+  config: TransformerConfig
+
+  def setup(self):
+    self.norm = layers.LayerNorm(self.config.layer_norm_epsilon, self.config.compute_dtype)
+    self.dropout = nn.Dropout(self.config.dropout_rate)
+
+  def __call__(self, x, sublayer, deterministic):
+    """x [b, l, e]; sublayer: [b, l, e] -> [b, l, e]."""
+    if self.config.pre_norm:
+      return x + self.dropout(sublayer(self.norm(x)), deterministic=deterministic)
+    return self.norm(x + self.dropout(sublayer(x), deterministic=deterministic))
+
+
+class EncoderLayer(nn.Module):
+  """§3.1 encoder layer: self-attention, then the feed-forward network."""
+  config: TransformerConfig
+
+  def setup(self):
+    c = self.config
+    self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
+                                                    c.compute_dtype)
+    self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
+    self.attention_sublayer = SublayerConnection(c)
+    self.feed_forward_sublayer = SublayerConnection(c)
+
+  def __call__(self, x, bias, deterministic):
+    """x [b, l, e], bias [b, 1, 1, l] -> [b, l, e]."""
+    x = self.attention_sublayer(x, lambda y: self.self_attention(y, bias, deterministic=deterministic),
+                                deterministic)
+    return self.feed_forward_sublayer(x, self.feed_forward, deterministic)
+
+
+class DecoderLayer(nn.Module):
+  """§3.1 decoder layer: masked self-attention, encoder-decoder attention, feed-forward network."""
+  config: TransformerConfig
+
+  def setup(self):
+    c = self.config
+    self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
+                                                    c.compute_dtype)
+    self.cross_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, False, c.attention_dropout_rate,
+                                                     c.compute_dtype)
+    self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
+    self.self_attention_sublayer = SublayerConnection(c)
+    self.cross_attention_sublayer = SublayerConnection(c)
+    self.feed_forward_sublayer = SublayerConnection(c)
+
+  def __call__(self, y, memory, self_bias, memory_bias, deterministic):
+    """y [b, t, e], memory [b, s, e], self_bias [1, 1, t, t], memory_bias [b, 1, 1, s] -> [b, t, e]."""
+    y = self.self_attention_sublayer(
+        y, lambda z: self.self_attention(z, self_bias, deterministic=deterministic), deterministic)
+    y = self.cross_attention_sublayer(
+        y, lambda z: self.cross_attention(z, memory_bias, memory, deterministic=deterministic), deterministic)
+    return self.feed_forward_sublayer(y, self.feed_forward, deterministic)
+
+  def init_cache(self, batch_size, max_len, memory):
+    return {'self': self.self_attention.init_cache(batch_size, max_len),
+            'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
+
+  def decode_step(self, y, cache, step, memory_bias):
+    """y [b·n, 1, e] -> ([b·n, 1, e], updated cache)."""
+    new_cache = {}
+
+    def self_attention(z):
+      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], step)
+      return out
+
+    def cross_attention(z):
+      out, new_cache['cross'] = self.cross_attention.decode_step(z, cache['cross'], step, memory_bias)
+      return out
+
+    y = self.self_attention_sublayer(y, self_attention, True)
+    y = self.cross_attention_sublayer(y, cross_attention, True)
+    return self.feed_forward_sublayer(y, self.feed_forward, True), new_cache
+
+
+class Transformer(nn.Module):
+  """Figure 1: encoder and decoder stacks with shared embeddings and a tied pre-softmax projection."""
+  config: TransformerConfig
+
+  def setup(self):
+    c = self.config
+    dtype = c.compute_dtype
+    if c.share_embeddings:
+      self.source_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype, name='shared_embedding')
+      self.target_embedding = self.source_embedding
+    else:
+      self.source_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype)
+      self.target_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype)
+      self.output_projection = layers.OutputProjection(c.vocab_size, dtype)
+    self.source_positions = layers.PositionalEncoding(c.max_len, c.d_model, c.learned_positions)
+    self.target_positions = (self.source_positions if not c.learned_positions
+                             else layers.PositionalEncoding(c.max_len, c.d_model, True))
+    self.embedding_dropout = nn.Dropout(c.dropout_rate)
+    self.encoder_layers = [EncoderLayer(c, name=f'encoder_layer_{i}') for i in range(c.num_encoder_layers)]
+    self.decoder_layers = [DecoderLayer(c, name=f'decoder_layer_{i}') for i in range(c.num_decoder_layers)]
+    if c.pre_norm:  # Pre-LN needs a final normalisation of each stack's output.
+      self.encoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
+      self.decoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
+
+  def _embed(self, ids, embedding, positions, deterministic, offset=0):
+    x = positions(embedding(ids), offset)  # [b, l, e]
+    x = self.embedding_dropout(x, deterministic=deterministic)
+    return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+  def _logits(self, y):
+    """Decoder output [b, t, e] -> logits [b, t, v]."""
+    if self.config.pre_norm:
+      y = self.decoder_norm(y)
+    if self.config.share_embeddings:
+      logits = self.target_embedding.attend(y)
+    else:
+      logits = self.output_projection(y)
+    return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+  def encode(self, inputs: jax.Array, train: bool = False) -> jax.Array:
+    """inputs [b, s] int32 (0 = padding) -> encoder output [b, s, e]."""
+    bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
+    x = self._embed(inputs, self.source_embedding, self.source_positions, not train)
+    for layer in self.encoder_layers:
+      x = layer(x, bias, not train)
+    if self.config.pre_norm:
+      x = self.encoder_norm(x)
+    return x
+
+  def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+    """Teacher-forced decoder: encoded [b, s, e], inputs [b, s], targets [b, t] -> logits [b, t, v]."""
+    decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]  # [b, t] shifted right
+    self_bias = layers.causal_bias(targets.shape[1])  # [1, 1, t, t]
+    memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
+    y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, not train)
+    for layer in self.decoder_layers:
+      y = layer(y, encoded, self_bias, memory_bias, not train)
+    return self._logits(y)
+
+  def __call__(self, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+    """inputs [b, s], targets [b, t] int32 (0 = padding) -> logits [b, t, v]; position t predicts targets[:, t]."""
+    return self.decode(self.encode(inputs, train), inputs, targets, train)
+
+  # --- Incremental decoding ------------------------------------------------------------
+
+  def init_cache(self, encoded: jax.Array, beam_size: int, max_len: int) -> dict:
+    """The decoding cache for `max_len` steps of `beam_size` hypotheses per sentence.
+
+    encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
+    Returns {'step': int32 scalar, 'layers': [per decoder layer {'self': {'key', 'value'}
+    [b·n, max_len, h, d], 'cross': {'key', 'value'} [b, s, h, d]}]}.
+    """
+    batch = encoded.shape[0]
+    return {'step': jnp.zeros((), jnp.int32),
+            'layers': [layer.init_cache(batch * beam_size, max_len, encoded) for layer in self.decoder_layers]}
+
+  def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
+    step = cache['step']
+    memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
+    y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
+    new_layers = []
+    for layer, layer_cache in zip(self.decoder_layers, cache['layers']):
+      y, layer_cache = layer.decode_step(y, layer_cache, step, memory_bias)
+      new_layers.append(layer_cache)
+    return self._logits(y)[:, 0], {'step': step + 1, 'layers': new_layers}

@@ -1,0 +1,24 @@
+"""§5.3 Optimizer: Adam(β1 0.9, β2 0.98, ε 1e-9) with the warmup + inverse-square-root schedule."""
+
+import jax.numpy as jnp
+import optax
+
+
+def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0):
+  """lrate(step_num) = factor · d_model^-0.5 · min(step_num^-0.5, step_num · warmup^-1.5), step_num from 1."""
+
+  def schedule(step_num):
+    step_num = jnp.maximum(jnp.asarray(step_num, jnp.float32), 1.0)
+    return factor * d_model**-0.5 * jnp.minimum(step_num**-0.5, step_num * warmup_steps**-1.5)
+
+  return schedule
+
+
+def create_optimizer(config, d_model: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """The run config's optimizer and the schedule it follows (indexed by optax's update count, from 0)."""
+  paper_schedule = inverse_sqrt_schedule(d_model, config.warmup_steps, config.learning_rate_factor)
+  schedule = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
+  adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  if config.grad_clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam), schedule
+  return adam, schedule

@@ -1,0 +1,166 @@
+"""Device mesh, the logical-axis rules table, sharded train-state creation and the one `jax.jit`.
+
+Parameters are annotated with logical axis names in layers.py; this table alone decides how
+they, the Adam moments and the activations are split over the mesh axes:
+  data  - data parallelism (batch split, parameters replicated),
+  fsdp  - fully sharded data parallelism / ZeRO-3 (batch split and parameters split over d_model),
+  model - tensor parallelism (attention heads, FFN units and the vocabulary split).
+"""
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax.training import train_state
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from flax_transformer import optim
+from flax_transformer.model import Transformer, TransformerConfig
+
+MESH_AXES = ('data', 'fsdp', 'model')
+BATCH_AXES = ('data', 'fsdp')  # Mesh axes the batch is split over.
+
+# (logical axis, mesh axis): the first rule whose mesh axis is still free wins.
+LOGICAL_AXIS_RULES = (
+    ('batch', BATCH_AXES),
+    ('vocab', 'model'),
+    ('heads', 'model'),
+    ('mlp', 'model'),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('kv', None),
+    ('qkv', None),
+    ('length', None),
+    ('norm', None),
+)
+
+
+class TrainState(train_state.TrainState):
+  """Step, parameters and optimizer state. The step is an array, so incrementing it never recompiles."""
+
+
+def create_mesh(mesh_shape: Sequence[int], devices=None) -> Mesh:
+  """A ('data', 'fsdp', 'model') mesh; one entry may be -1 (all remaining devices)."""
+  devices = jax.devices() if devices is None else devices
+  shape = list(mesh_shape)
+  if len(shape) != len(MESH_AXES):
+    raise ValueError(f'config.mesh_shape={tuple(mesh_shape)}: needs {len(MESH_AXES)} entries for {MESH_AXES}')
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f'config.mesh_shape={tuple(mesh_shape)}: entries must be positive, with at most one -1')
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if len(devices) % known:
+      raise ValueError(f'config.mesh_shape={tuple(mesh_shape)}: {len(devices)} devices are not divisible by {known}')
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(f'config.mesh_shape={tuple(mesh_shape)} needs {math.prod(shape)} devices '
+                     f'but {len(devices)} are available; make the product of its entries {len(devices)}')
+  try:
+    device_array = mesh_utils.create_device_mesh(shape, devices)
+  except (AssertionError, ValueError, NotImplementedError):
+    device_array = np.asarray(devices).reshape(shape)
+  return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_model_fits_mesh(model_config: TransformerConfig, mesh: Mesh) -> None:
+  """One-line errors for tensor-parallel splits that do not divide the model."""
+  tp = mesh.shape['model']
+  for field in ('num_heads', 'd_ff'):
+    value = getattr(model_config, field)
+    if value % tp:
+      raise ValueError(f'config.model.{field}={value} is not divisible by the mesh model axis ({tp}); '
+                       f'choose a model axis that divides it')
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches [b, l] are split over the data-parallel axes."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh):
+  """The mesh and rules that the model's activation constraints resolve against while tracing."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    yield
+
+
+def logical_to_shardings(boxed_tree, mesh: Mesh):
+  """A tree of nn.LogicallyPartitioned (or abstract) leaves -> the matching NamedSharding tree."""
+  specs = nn.get_partition_spec(boxed_tree)
+  return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
+
+
+def create_train_state(config, model_config: TransformerConfig, mesh: Mesh, rng: jax.Array):
+  """Initialises the train state directly in its sharded layout (nothing is built on one device first).
+
+  Returns (state, state_shardings).
+  """
+  check_model_fits_mesh(model_config, mesh)
+  model = Transformer(model_config)
+  tx, _ = optim.create_optimizer(config, model_config.d_model)
+
+  def init(rng):
+    dummy = jnp.ones((1, 1), jnp.int32)
+    params = model.init(rng, dummy, dummy)['params']
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  abstract_state = jax.eval_shape(init, rng)
+  shardings = logical_to_shardings(abstract_state, mesh)
+  with mesh_context(mesh):
+    state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+  return state, shardings
+
+
+def abstract_params(model_config: TransformerConfig):
+  """Parameter shapes (boxed with logical names) from `jax.eval_shape`: nothing is allocated."""
+  return jax.eval_shape(lambda: Transformer(model_config).init(jax.random.key(0), jnp.ones((1, 1), jnp.int32),
+                                                               jnp.ones((1, 1), jnp.int32))['params'])
+
+
+def jit_train_step(train_step: Callable, mesh: Mesh, state_shardings) -> Callable:
+  """The training step compiled once per batch shape over the mesh.
+
+  in_shardings:  state as created; batch split over ('data', 'fsdp'); dropout key replicated.
+  out_shardings: the new state keeps the layout; metrics are replicated scalars.
+  donate_argnums=0: the old state's buffers are reused for the new state (halves peak memory).
+  """
+  jitted = jax.jit(train_step,
+                   in_shardings=(state_shardings, batch_sharding(mesh), replicated(mesh)),
+                   out_shardings=(state_shardings, replicated(mesh)),
+                   donate_argnums=0)
+
+  @functools.wraps(train_step)
+  def run(state, batch, rng):
+    with mesh_context(mesh):
+      return jitted(state, batch, rng)
+
+  run.jitted = jitted
+  return run
+
+
+def jit_eval_step(eval_step: Callable, mesh: Mesh, param_shardings) -> Callable:
+  """Evaluation step: parameters as in the state, batch split, replicated metric sums."""
+  jitted = jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=replicated(mesh))
+
+  @functools.wraps(eval_step)
+  def run(params, batch):
+    with mesh_context(mesh):
+      return jitted(params, batch)
+
+  run.jitted = jitted
+  return run

@@ -1,0 +1,56 @@
+"""Pure training and evaluation steps. Bind the configuration with functools.partial; jit in partitioning.py."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from flax_transformer import losses
+from flax_transformer.model import Transformer, TransformerConfig
+
+
+def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerConfig, label_smoothing: float,
+               gradient_accumulation_steps: int = 1):
+  """One optimizer update on `batch` ({'inputs': [B, s], 'targets': [B, t]} int32).
+
+  With gradient_accumulation_steps = k the batch is split into k micro-batches of B/k rows whose
+  gradients are summed (lax.scan) before one update normalised by all their target tokens.
+  `rng` is the run's dropout key; it is folded with the step so every step draws fresh masks.
+  Returns (new state, metrics {'loss', 'nll', 'accuracy', 'tokens', 'grad_norm', 'learning_rate'}).
+  """
+  model = Transformer(model_config)
+  step_rng = jax.random.fold_in(rng, state.step)
+
+  def loss_fn(params, micro_batch, micro_rng):
+    logits = model.apply({'params': params}, micro_batch['inputs'], micro_batch['targets'], train=True,
+                         rngs={'dropout': micro_rng})
+    sums = losses.loss_and_metrics(logits, micro_batch['targets'], label_smoothing)
+    return sums['loss'], sums
+
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  k = gradient_accumulation_steps
+  if k == 1:
+    grads, sums = grad_fn(state.params, batch, step_rng)
+  else:
+    micro_batches = jax.tree_util.tree_map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+    def accumulate(carry, micro):
+      index, micro_batch = micro
+      grads, sums = grad_fn(state.params, micro_batch, jax.random.fold_in(step_rng, index))
+      return jax.tree_util.tree_map(jnp.add, carry, (grads, sums)), None
+
+    zero_grads = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+    zero_sums = {name: jnp.zeros((), jnp.float32) for name in ('loss', 'nll', 'correct', 'tokens')}
+    (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (jnp.arange(k), micro_batches))
+
+  tokens = jnp.maximum(sums['tokens'], 1.0)
+  grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)  # Gradient of the per-token mean loss.
+  new_state = state.apply_gradients(grads=grads)
+  metrics = {'loss': sums['loss'] / tokens, 'nll': sums['nll'] / tokens, 'accuracy': sums['correct'] / tokens,
+             'tokens': sums['tokens'], 'grad_norm': optax.global_norm(grads)}
+  return new_state, metrics
+
+
+def eval_step(params, batch: dict, *, model_config: TransformerConfig, label_smoothing: float) -> dict:
+  """Sums {'loss', 'nll', 'correct', 'tokens'} over the non-padding targets of `batch` (padding rows count 0)."""
+  logits = Transformer(model_config).apply({'params': params}, batch['inputs'], batch['targets'], train=False)
+  return losses.loss_and_metrics(logits, batch['targets'], label_smoothing)

@@ -1,0 +1,46 @@
+"""The loss against a hand computation and against optax's one-hot cross-entropy."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flax_transformer import losses
+
+
+def test_loss_equals_hand_computation():
+  logits = np.array([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [5.0, 0.0, 0.0, 0.0]]], np.float32)
+  targets = np.array([[2, 3, 0]], np.int32)  # last position is padding
+  eps, vocab = 0.1, 4
+  total = 0.0
+  for t in range(2):  # only the non-padding positions
+    log_p = logits[0, t] - np.log(np.exp(logits[0, t]).sum())
+    q = np.full(vocab, eps / (vocab - 1))
+    q[targets[0, t]] = 1 - eps
+    total += -(q * log_p).sum() + (q * np.log(q)).sum()  # KL(q || p)
+  sums = losses.loss_and_metrics(jnp.asarray(logits), jnp.asarray(targets), eps)
+  np.testing.assert_allclose(float(sums['loss']), total, rtol=1e-5)
+  assert float(sums['tokens']) == 2.0
+  assert float(sums["correct"]) == 1.0  # argmaxes 0 and 3 against targets 2 and 3
+
+
+def test_loss_matches_optax_and_counts_correct(np_rng):
+  logits = np_rng.normal(size=(3, 5, 11)).astype(np.float32)
+  targets = np_rng.integers(1, 11, size=(3, 5)).astype(np.int32)
+  targets[0, 3:] = 0
+  eps = 0.1
+  smoothed = optax.smooth_labels(np.eye(11)[targets], 0.0)
+  smoothed = smoothed * (1 - eps) + (1 - smoothed) * eps / 10
+  reference = optax.softmax_cross_entropy(logits, smoothed) + (smoothed * np.log(smoothed)).sum(-1)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  weights = targets != 0
+  sums = losses.loss_and_metrics(jnp.asarray(logits), jnp.asarray(targets), eps)
+  np.testing.assert_allclose(float(sums['loss']), float((reference * weights).sum()), rtol=1e-5)
+  np.testing.assert_allclose(float(sums['nll']), float((nll * weights).sum()), rtol=1e-5)
+  assert float(sums['correct']) == float(((logits.argmax(-1) == targets) * weights).sum())
+
+
+def test_without_smoothing_loss_is_nll(np_rng):
+  logits = jnp.asarray(np_rng.normal(size=(2, 3, 7)).astype(np.float32))
+  targets = jnp.asarray(np.array([[1, 2, 3], [4, 5, 0]], np.int32))
+  sums = losses.loss_and_metrics(logits, targets, 0.0)
+  assert float(sums['loss']) == float(sums['nll'])

@@ -1,0 +1,42 @@
+"""§5.3 learning-rate schedule and Adam settings."""
+
+import numpy as np
+import optax
+from flax_transformer import optim
+
+
+def test_schedule_equals_the_formula():
+  schedule = optim.inverse_sqrt_schedule(512, 4000)
+  for step in (1, 4000, 100_000):
+    expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+    np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6)
+  assert float(schedule(4000)) > float(schedule(3999)) and float(schedule(4000)) > float(schedule(4001))
+
+
+def test_optimizer_starts_at_paper_step_one(tiny_config):
+  tx, schedule = optim.create_optimizer(tiny_config, 16)
+  np.testing.assert_allclose(float(schedule(0)), 16**-0.5 * 1 * 10**-1.5, rtol=1e-6)
+  params = {'w': np.ones(3, np.float32)}
+  state = tx.init(params)
+  adam_state = [s for s in state if isinstance(s, optax.ScaleByAdamState)][0]
+  assert adam_state.count == 0
+
+
+def test_gradient_clipping_is_a_switch(tiny_config):
+  plain, _ = optim.create_optimizer(tiny_config, 16)
+  tiny_config.grad_clip_norm = 1.0
+  clipped, _ = optim.create_optimizer(tiny_config, 16)
+  params = {'w': np.ones(3, np.float32)}
+  gradients = [{'w': np.array([1e3, 0.0, 0.0], np.float32)}, {'w': np.array([1.0, 0.5, 0.0], np.float32)}]
+
+  def run(tx, clip_by_hand):
+    state, out = tx.init(params), []
+    for g in gradients:
+      if clip_by_hand:
+        g = {'w': g['w'] / max(1.0, np.linalg.norm(g['w']))}
+      updates, state = tx.update(g, state, params)
+      out.append(np.asarray(updates['w']))
+    return np.stack(out)
+
+  np.testing.assert_allclose(run(clipped, False), run(plain, True), rtol=1e-5)
+  assert not np.allclose(run(plain, False), run(plain, True), rtol=1e-3)

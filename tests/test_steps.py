@@ -1,0 +1,93 @@
+"""The pure train step learns, and sharded steps equal single-device steps."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from flax_transformer import partitioning, steps
+from flax_transformer.model import TransformerConfig
+from tests.conftest import random_batch
+
+
+def make_step(config, model_config, mesh):
+  state, shardings = partitioning.create_train_state(config, model_config, mesh,
+                                                     jax.random.key(config.seed, impl=config.dropout_rng_impl))
+  step = functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
+                           gradient_accumulation_steps=config.gradient_accumulation_steps)
+  return state, partitioning.jit_train_step(step, mesh, shardings)
+
+
+def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
+  tiny_config.label_smoothing = 0.0
+  tiny_config.model.dropout_rate = 0.0
+  tiny_config.model.vocab_size = 2048  # log V ≫ the 0.5 nats that N(0, d^-0.5) tied logits add at init
+  tiny_config.warmup_steps = 30
+  tiny_config.learning_rate_factor = 2.0
+  model_config = TransformerConfig.from_config(tiny_config)
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  state, train_step = make_step(tiny_config, model_config, mesh)
+  batch = random_batch(np_rng, 8, 10, 10, model_config.vocab_size)
+  rng = jax.random.key(0)
+  losses = []
+  for _ in range(200):
+    state, metrics = train_step(state, batch, rng)
+    losses.append(float(metrics['loss']))
+  print(f'first loss {losses[0]:.3f} (log V = {np.log(model_config.vocab_size):.3f}), after 200 steps {losses[-1]:.4f}')
+  assert abs(losses[0] / np.log(model_config.vocab_size) - 1) < 0.10
+  assert losses[-1] < 0.1 * losses[0]
+  assert int(state.step) == 200
+  assert train_step.jitted._cache_size() == 1  # one compilation for one batch shape
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng):
+  tiny_config.model.dropout_rate = 0.0
+  model_config = TransformerConfig.from_config(tiny_config)
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  batch = random_batch(np_rng, 8, 7, 6, model_config.vocab_size)
+  state, train_step = make_step(tiny_config, model_config, mesh)
+  full, full_metrics = train_step(state, batch, jax.random.key(0))
+  tiny_config.gradient_accumulation_steps = 4
+  state, train_step = make_step(tiny_config, model_config, mesh)
+  accumulated, accumulated_metrics = train_step(state, batch, jax.random.key(0))
+  np.testing.assert_allclose(float(full_metrics['loss']), float(accumulated_metrics['loss']), rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(full.params), jax.tree_util.tree_leaves(accumulated.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def _sharded_setup(tiny_config, small_model_config, np_rng):
+  tiny_config.model = tiny_config.model.__class__(small_model_config.__dict__)
+  tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time
+  tiny_config.model.dropout_rate = 0.1  # dropout masks must not depend on the mesh either
+  return tiny_config, TransformerConfig.from_config(tiny_config), random_batch(np_rng, 8, 9, 7, 64)
+
+
+def _two_steps(config, model_config, batch, shape):
+  devices = jax.devices()[:1] if shape == (1, 1, 1) else jax.devices()
+  mesh = partitioning.create_mesh(shape, devices)
+  state, train_step = make_step(config, model_config, mesh)
+  for _ in range(2):
+    state, metrics = train_step(state, batch, jax.random.key(3))
+  return float(metrics['loss']), jax.device_get((state.params, state.opt_state))
+
+
+@pytest.fixture(scope='module')
+def single_device_result():
+  from configs import tiny
+  from tests.conftest import small_model_config
+  config, model_config, batch = _sharded_setup(tiny.get_config(), small_model_config.__wrapped__(),
+                                               np.random.default_rng(0))
+  return _two_steps(config, model_config, batch, (1, 1, 1))
+
+
+@pytest.mark.parametrize('mesh_shape', [(8, 1, 1), (2, 4, 1), (2, 1, 4), (1, 8, 1), (2, 2, 2)])
+def test_sharded_step_equals_single_device(tiny_config, small_model_config, mesh_shape, single_device_result):
+  assert len(jax.devices()) == 8, 'tests run with XLA_FLAGS=--xla_force_host_platform_device_count=8'
+  config, model_config, batch = _sharded_setup(tiny_config, small_model_config, np.random.default_rng(0))
+  loss_n, trees_n = _two_steps(config, model_config, batch, mesh_shape)
+  loss_1, trees_1 = single_device_result
+  print(f'mesh {mesh_shape}: loss {loss_n:.6f} vs 1 device {loss_1:.6f}')
+  np.testing.assert_allclose(loss_n, loss_1, rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(trees_1), jax.tree_util.tree_leaves(trees_n)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
