@@ -1,0 +1,91 @@
+"""§5.1 shared source-target vocabulary: train or load one SentencePiece model; text <-> ids.
+
+Reserved ids, used the same way by the model, the loss and decoding:
+  0 <pad> (also the decoder's start symbol), 1 </s> (end of sentence), 2 <unk>. No BOS.
+"""
+
+import os
+import tempfile
+from collections.abc import Iterable
+
+import sentencepiece as spm
+import tensorflow as tf
+
+VOCAB_FILENAME = 'sentencepiece.model'
+
+
+class VocabularyError(ValueError):
+  """A vocabulary that cannot be used with this run's configuration."""
+
+
+def _sample_sentences(pairs: Iterable[tuple[str, str]], max_chars: int):
+  """Both sides of the first pairs, up to `max_chars` characters (the trainer shuffles within them)."""
+  total = 0
+  for source, target in pairs:
+    for text in (source, target):
+      if text:
+        total += len(text)
+        yield text
+    if total >= max_chars:
+      return
+
+
+def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size: int, model_type: str = 'bpe',
+                        max_corpus_chars: int = 10_000_000) -> str:
+  """Trains one model on both languages and writes it atomically to `path`."""
+  if model_type not in ('bpe', 'unigram'):
+    raise VocabularyError(f"config.vocab_type={model_type!r}: use 'bpe' or 'unigram'")
+  directory = os.path.dirname(path) or '.'
+  tf.io.gfile.makedirs(directory)
+  with tempfile.TemporaryDirectory() as scratch:
+    prefix = os.path.join(scratch, 'spm')
+    try:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=_sample_sentences(pairs, max_corpus_chars), model_prefix=prefix,
+          vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
+          pad_id=0, eos_id=1, unk_id=2, bos_id=-1, num_threads=os.cpu_count() or 1,
+          shuffle_input_sentence=True, input_sentence_size=10_000_000, minloglevel=2)
+    except RuntimeError as error:
+      first_line = str(error).strip().splitlines()[-1]
+      raise VocabularyError(f'cannot train a {vocab_size}-piece vocabulary on this corpus ({first_line}); '
+                            f'lower config.model.vocab_size') from None
+    tf.io.gfile.copy(prefix + '.model', path + '.tmp', overwrite=True)
+    tf.io.gfile.rename(path + '.tmp', path, overwrite=True)
+  return path
+
+
+def load(path: str, expected_vocab_size: int | None = None) -> spm.SentencePieceProcessor:
+  """Loads a model and checks it against the model config's vocabulary size."""
+  if not tf.io.gfile.exists(path):
+    raise VocabularyError(f'vocabulary file {path} does not exist; fix config.vocab_path or leave it empty to train one')
+  processor = spm.SentencePieceProcessor(model_proto=tf.io.gfile.GFile(path, 'rb').read())
+  if expected_vocab_size is not None and processor.get_piece_size() != expected_vocab_size:
+    raise VocabularyError(f'vocabulary {path} has {processor.get_piece_size()} pieces but '
+                          f'config.model.vocab_size={expected_vocab_size}; set them equal')
+  if processor.pad_id() != 0 or processor.eos_id() != 1:
+    raise VocabularyError(f'vocabulary {path} must reserve id 0 for <pad> and 1 for </s> '
+                          f'(it has pad={processor.pad_id()}, eos={processor.eos_id()})')
+  return processor
+
+
+def train_or_load(config, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProcessor, str]:
+  """`config.vocab_path` if set; else the workdir's model (reused on restart); else a newly trained one.
+
+  `pairs_fn()` yields (source, target) training sentences; it is only called when training.
+  Returns (processor, path).
+  """
+  vocab_size = config.model.vocab_size
+  if config.vocab_path:
+    return load(config.vocab_path, vocab_size), config.vocab_path
+  path = os.path.join(workdir, VOCAB_FILENAME)
+  if not tf.io.gfile.exists(path):
+    train_sentencepiece(pairs_fn(), path, vocab_size, config.vocab_type, config.max_corpus_chars)
+  return load(path, vocab_size), path
+
+
+def decode_ids(processor: spm.SentencePieceProcessor, ids) -> str:
+  """Token ids (stopping at the first </s>, padding ignored) -> text."""
+  ids = [int(i) for i in ids]
+  if 1 in ids:
+    ids = ids[:ids.index(1)]
+  return processor.decode([i for i in ids if i > 1])
