@@ -22,10 +22,12 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from flax_transformer.errors import UserError
+
 PAD_ID, EOS_ID = 0, 1
 
 
-class DataError(ValueError):
+class DataError(UserError):
   """Input data that cannot be used; the message says what and how to fix it."""
 
 

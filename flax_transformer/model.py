@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from flax_transformer import layers
+from flax_transformer.errors import ConfigError
 
 PAD_ID = 0  # Padding, and the decoder's start symbol.
 EOS_ID = 1  # End of sentence.
@@ -40,7 +41,7 @@ class TransformerConfig:
 
   def __post_init__(self):
     def fail(field, why):
-      raise ValueError(f'config.model.{field}={getattr(self, field)!r}: {why}')
+      raise ConfigError(f'config.model.{field}={getattr(self, field)!r}: {why}')
     if self.vocab_size < 4:
       fail('vocab_size', 'needs at least 4 ids (pad, eos, unk and one more)')
     for field in ('d_model', 'num_heads', 'd_ff', 'max_len', 'num_encoder_layers', 'num_decoder_layers'):
@@ -70,7 +71,7 @@ class TransformerConfig:
     values = dict(config.model)
     unknown = sorted(set(values) - fields)
     if unknown:
-      raise ValueError(f'config.model.{unknown[0]}: unknown field; known fields are {sorted(fields)}')
+      raise ConfigError(f'config.model.{unknown[0]}: unknown field; known fields are {sorted(fields)}')
     return cls(**values)
 
 

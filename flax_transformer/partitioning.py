@@ -21,6 +21,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from flax_transformer import optim
+from flax_transformer.errors import ConfigError
 from flax_transformer.model import Transformer, TransformerConfig
 
 MESH_AXES = ('data', 'fsdp', 'model')
@@ -50,16 +51,16 @@ def create_mesh(mesh_shape: Sequence[int], devices=None) -> Mesh:
   devices = jax.devices() if devices is None else devices
   shape = list(mesh_shape)
   if len(shape) != len(MESH_AXES):
-    raise ValueError(f'config.mesh_shape={tuple(mesh_shape)}: needs {len(MESH_AXES)} entries for {MESH_AXES}')
+    raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: needs {len(MESH_AXES)} entries for {MESH_AXES}')
   if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
-    raise ValueError(f'config.mesh_shape={tuple(mesh_shape)}: entries must be positive, with at most one -1')
+    raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: entries must be positive, with at most one -1')
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
     if len(devices) % known:
-      raise ValueError(f'config.mesh_shape={tuple(mesh_shape)}: {len(devices)} devices are not divisible by {known}')
+      raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: {len(devices)} devices are not divisible by {known}')
     shape[shape.index(-1)] = len(devices) // known
   if math.prod(shape) != len(devices):
-    raise ValueError(f'config.mesh_shape={tuple(mesh_shape)} needs {math.prod(shape)} devices '
+    raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)} needs {math.prod(shape)} devices '
                      f'but {len(devices)} are available; make the product of its entries {len(devices)}')
   try:
     device_array = mesh_utils.create_device_mesh(shape, devices)
@@ -78,7 +79,7 @@ def check_model_fits_mesh(model_config: TransformerConfig, mesh: Mesh) -> None:
   for field in ('num_heads', 'd_ff'):
     value = getattr(model_config, field)
     if value % tp:
-      raise ValueError(f'config.model.{field}={value} is not divisible by the mesh model axis ({tp}); '
+      raise ConfigError(f'config.model.{field}={value} is not divisible by the mesh model axis ({tp}); '
                        f'choose a model axis that divides it')
 
 

@@ -11,10 +11,12 @@ from collections.abc import Iterable
 import sentencepiece as spm
 import tensorflow as tf
 
+from flax_transformer.errors import UserError
+
 VOCAB_FILENAME = 'sentencepiece.model'
 
 
-class VocabularyError(ValueError):
+class VocabularyError(UserError):
   """A vocabulary that cannot be used with this run's configuration."""
 
 

@@ -1,0 +1,156 @@
+"""Orbax checkpoints: save/restore the train state, restore parameters alone onto any mesh, average.
+
+Layout of a workdir:
+  checkpoints/<step>/{params,opt_state,meta}   Orbax items (written to a temporary name, then renamed:
+                                                a crash never leaves a half-written checkpoint)
+  data_state/<step>.*                          the tf.data iterator at that step (exact resume)
+  config.json, sentencepiece.model             the run's configuration and vocabulary
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorflow as tf
+
+from flax_transformer.errors import WorkdirError
+
+CHECKPOINT_DIR = 'checkpoints'
+DATA_STATE_DIR = 'data_state'
+CONFIG_FILENAME = 'config.json'
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+
+
+def create_manager(workdir: str, keep: int, asynchronous: bool = True) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                         enable_async_checkpointing=asynchronous)
+  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+
+
+def save_state(manager: ocp.CheckpointManager, state) -> None:
+  """Starts an (asynchronous) save of parameters and optimizer state at `state.step`."""
+  step = int(jax.device_get(state.step))
+  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(state.params),
+                                             opt_state=ocp.args.StandardSave(state.opt_state)))
+
+
+def _abstract(tree, shardings):
+  return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def restore_state(manager: ocp.CheckpointManager, step: int, state, state_shardings):
+  """The train state at `step`, laid out like `state` (which is only used for shapes and shardings)."""
+  restored = manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(_abstract(state.params, state_shardings.params)),
+      opt_state=ocp.args.StandardRestore(_abstract(state.opt_state, state_shardings.opt_state))))
+  return state.replace(step=jax.device_put(np.asarray(step, np.int32), state_shardings.step),
+                       params=restored['params'], opt_state=restored['opt_state'])
+
+
+def available_steps(directory: str) -> list[int]:
+  """Steps of the finished checkpoints under `directory` (a workdir or its checkpoints/ folder)."""
+  if os.path.basename(os.path.normpath(directory)) != CHECKPOINT_DIR:
+    directory = os.path.join(directory, CHECKPOINT_DIR)
+  if not tf.io.gfile.isdir(directory):
+    return []
+  return sorted(ocp.utils.checkpoint_steps(directory))
+
+
+def restore_params(directory: str, step: int, abstract_params, shardings=None):
+  """Parameters alone (no optimizer state is read) of checkpoint `step`, placed with `shardings`.
+
+  `abstract_params`: a tree of arrays or ShapeDtypeStructs giving shapes; `shardings` defaults to
+  replication over all local devices.
+  """
+  if os.path.basename(os.path.normpath(directory)) != CHECKPOINT_DIR:
+    directory = os.path.join(directory, CHECKPOINT_DIR)
+  if shardings is None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('replica',))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shardings = jax.tree_util.tree_map(lambda _: replicated, abstract_params)
+  with ocp.CheckpointManager(directory) as manager:
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(_abstract(abstract_params, shardings))))
+  return restored['params']
+
+
+def average_params(params_list):
+  """Element-wise mean of parameter trees (§6.1 checkpoint averaging), accumulated in float32."""
+  total = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params_list[0])
+  for params in params_list[1:]:
+    total = jax.tree_util.tree_map(lambda a, b: a + np.asarray(b, np.float32), total, params)
+  return jax.tree_util.tree_map(lambda x: x / len(params_list), total)
+
+
+def save_params(directory: str, step: int, params) -> None:
+  """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model)."""
+  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True)) as manager:
+    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+    manager.wait_until_finished()
+
+
+# --- Data iterator and run configuration -------------------------------------------------------
+
+def save_data_state(workdir: str, step: int, iterator, keep_steps: list[int]) -> None:
+  """Saves the tf.data iterator position at `step` and removes those of checkpoints no longer kept."""
+  directory = os.path.join(workdir, DATA_STATE_DIR)
+  tf.io.gfile.makedirs(directory)
+  tf.train.Checkpoint(iterator=iterator).write(os.path.join(directory, str(step)))
+  keep = {str(s) for s in keep_steps} | {str(step)}
+  for name in tf.io.gfile.listdir(directory):
+    if name.split('.')[0] not in keep:
+      tf.io.gfile.remove(os.path.join(directory, name))
+
+
+def restore_data_state(workdir: str, step: int, iterator) -> bool:
+  path = os.path.join(workdir, DATA_STATE_DIR, str(step))
+  if not tf.io.gfile.exists(path + '.index'):
+    return False
+  tf.train.Checkpoint(iterator=iterator).read(path).assert_consumed()
+  return True
+
+
+def check_workdir(workdir: str, config) -> None:
+  """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""
+  try:
+    tf.io.gfile.makedirs(workdir)
+    probe = os.path.join(workdir, '.write_test')
+    with tf.io.gfile.GFile(probe, 'w') as f:
+      f.write('ok')
+    tf.io.gfile.remove(probe)
+  except (OSError, tf.errors.OpError) as error:
+    raise WorkdirError(f'workdir {workdir} is not writable ({type(error).__name__}); choose another --workdir') from None
+  path = os.path.join(workdir, CONFIG_FILENAME)
+  if not tf.io.gfile.exists(path):
+    return
+  saved = json.loads(tf.io.gfile.GFile(path).read())
+  current = json.loads(config.to_json())
+  for key in sorted(set(saved.get('model', {})) | set(current['model'])):
+    if saved.get('model', {}).get(key) != current['model'].get(key) and key not in ('dropout_rate', 'attention_dropout_rate'):
+      raise WorkdirError(f'workdir {workdir} holds a run with model.{key}={saved["model"].get(key)!r} but this config '
+                         f'has {current["model"].get(key)!r}; use a new --workdir (the existing run is left untouched)')
+  for key in ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'):
+    if saved.get(key) != current.get(key):
+      raise WorkdirError(f'workdir {workdir} holds a run with {key}={saved.get(key)!r} but this config has '
+                         f'{current.get(key)!r}; use a new --workdir (the existing run is left untouched)')
+
+
+def write_config(workdir: str, config) -> None:
+  path = os.path.join(workdir, CONFIG_FILENAME)
+  with tf.io.gfile.GFile(path + '.tmp', 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))
+  tf.io.gfile.rename(path + '.tmp', path, overwrite=True)
+
+
+def read_config(workdir: str):
+  """The ConfigDict a run saved in its workdir."""
+  import ml_collections
+  path = os.path.join(workdir, CONFIG_FILENAME)
+  if not tf.io.gfile.exists(path):
+    raise WorkdirError(f'{workdir} has no {CONFIG_FILENAME}; point --workdir at a directory written by train.py')
+  return ml_collections.ConfigDict(json.loads(tf.io.gfile.GFile(path).read()))

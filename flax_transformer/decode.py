@@ -1,0 +1,173 @@
+"""§6.1 decoding: beam search with the GNMT length penalty, and greedy search, on device.
+
+Both are pure functions of a `tokens_to_logits(ids [b·n, 1], cache) -> (logits [b·n, v], cache)`
+callback, so any model (or a hand-made table in tests) can drive them. Hypotheses of sentence i
+occupy rows i·n … i·n+n-1. Cache leaves whose leading dimension is b·n follow their hypotheses when
+beams are reordered; other leaves (the encoder's keys/values, [b, ...]) are shared and never copied.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAD_ID, EOS_ID = 0, 1
+NEG_INF = -1.0e7
+
+
+def length_penalty(length, alpha: float):
+  """GNMT (Wu et al., 2016): ((5 + |Y|) / 6)^α."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def _gather_beams(tree, indices, batch, beams):
+  """Reorders leaves with leading dim batch·beams by `indices` [batch, k] (beam ids within a sentence)."""
+  flat = (indices + jnp.arange(batch)[:, None] * beams).reshape(-1)  # [batch·k]
+
+  def gather(x):
+    if x.ndim and x.shape[0] == batch * beams:
+      return jnp.take(x, flat, axis=0)
+    return x
+
+  return jax.tree_util.tree_map(gather, tree)
+
+
+def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
+                beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID):
+  """Beam search returning the best hypothesis of each sentence.
+
+  Args:
+    tokens_to_logits: (ids [b·n, 1], cache) -> (logits [b·n, v], cache).
+    cache: the callback's state for b·n hypotheses (see module docstring).
+    batch: b.
+    max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50).
+    max_decode_len: static upper bound of max_lengths (the size of the output and the cache).
+    beam_size: n. alpha: length-penalty exponent (0 = none).
+  Returns:
+    (tokens [b, max_decode_len] int32, ending with EOS unless cut at the length limit, 0-padded;
+     scores [b]: the length-penalised log-probabilities).
+  """
+  n, length = beam_size, max_decode_len
+  max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), length)
+  max_penalty = length_penalty(max_lengths, alpha)  # [b]: the largest a live hypothesis can reach
+
+  initial = {
+      'step': jnp.array(0, jnp.int32),
+      'live_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),  # position 0: the start symbol
+      'live_scores': jnp.tile(jnp.array([0.0] + [NEG_INF] * (n - 1), jnp.float32), (batch, 1)),  # [b, n]
+      'finished_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),
+      'finished_scores': jnp.full((batch, n), NEG_INF, jnp.float32),  # length-penalised
+      'cache': cache,
+  }
+
+  def not_done(state):
+    step = state['step']
+    # The best a live hypothesis could still score; once the best finished one beats it, stop.
+    best_live_bound = state['live_scores'][:, 0] / max_penalty  # [b]
+    best_finished = state['finished_scores'][:, 0]  # [b]
+    sentence_done = (best_finished >= best_live_bound) | (step >= max_lengths)
+    return (step < length) & ~jnp.all(sentence_done)
+
+  def body(state):
+    step = state['step']
+    ids = state['live_tokens'][:, :, step].reshape(batch * n, 1)  # [bn, 1]
+    logits, new_cache = tokens_to_logits(ids, state['cache'])
+    vocab = logits.shape[-1]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(batch, n, vocab)  # [b, n, v]
+    log_probs = log_probs.at[:, :, PAD_ID].set(NEG_INF)  # padding is never produced
+    candidates = (state['live_scores'][:, :, None] + log_probs).reshape(batch, n * vocab)  # [b, n·v]
+    # 2n candidates always include n that do not end here.
+    top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [b, 2n]
+    top_beam, top_token = top_index // vocab, top_index % vocab  # [b, 2n]
+    top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
+    top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
+    new_length = step + 1  # tokens produced, EOS included
+    at_limit = (new_length >= max_lengths)[:, None]  # [b, 1]
+    ends = (top_token == eos_id) | at_limit  # [b, 2n]
+
+    # Live: the n best candidates that continue.
+    live_candidate_scores = jnp.where(ends, NEG_INF, top_scores)  # [b, 2n]
+    live_scores, live_pick = jax.lax.top_k(live_candidate_scores, n)  # [b, n]
+    live_tokens = jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1)  # [b, n, L+1]
+    live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
+    new_cache = _gather_beams(new_cache, live_beam, batch, n)
+
+    # Finished: merge the candidates that end here (length-penalised) with those kept so far.
+    ended_scores = jnp.where(ends, top_scores / length_penalty(new_length, alpha), NEG_INF)  # [b, 2n]
+    merged_scores = jnp.concatenate([state['finished_scores'], ended_scores], axis=1)  # [b, 3n]
+    merged_tokens = jnp.concatenate([state['finished_tokens'], top_tokens], axis=1)  # [b, 3n, L+1]
+    finished_scores, finished_pick = jax.lax.top_k(merged_scores, n)  # [b, n]
+    finished_tokens = jnp.take_along_axis(merged_tokens, finished_pick[:, :, None], axis=1)
+
+    return {'step': step + 1, 'live_tokens': live_tokens, 'live_scores': live_scores,
+            'finished_tokens': finished_tokens, 'finished_scores': finished_scores, 'cache': new_cache}
+
+  final = jax.lax.while_loop(not_done, body, initial)
+  tokens = final['finished_tokens'][:, 0, 1:]  # [b, L]
+  return tokens, final['finished_scores'][:, 0]
+
+
+def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
+                  eos_id: int = EOS_ID):
+  """The most probable next token at each step; stops when every sentence has ended.
+
+  Returns (tokens [b, max_decode_len] int32, log-probabilities [b]).
+  """
+  max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len)
+  initial = {'step': jnp.array(0, jnp.int32), 'tokens': jnp.zeros((batch, max_decode_len + 1), jnp.int32),
+             'ended': jnp.zeros((batch,), bool), 'scores': jnp.zeros((batch,), jnp.float32), 'cache': cache}
+
+  def not_done(state):
+    return (state['step'] < max_decode_len) & ~jnp.all(state['ended'])
+
+  def body(state):
+    step = state['step']
+    logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).at[:, PAD_ID].set(NEG_INF)
+    token = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)  # [b]
+    token = jnp.where(state['ended'], PAD_ID, token)
+    score = state['scores'] + jnp.where(state['ended'], 0.0, jnp.take_along_axis(log_probs, token[:, None], 1)[:, 0])
+    ended = state['ended'] | (token == eos_id) | (step + 1 >= max_lengths)
+    return {'step': step + 1, 'tokens': state['tokens'].at[:, step + 1].set(token), 'ended': ended,
+            'scores': score, 'cache': cache}
+
+  final = jax.lax.while_loop(not_done, body, initial)
+  return final['tokens'][:, 1:], final['scores']
+
+
+# --- The Transformer as a tokens_to_logits callback ------------------------------------------
+
+def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_extra_length: int,
+                    max_decode_len: int):
+  """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_decode_len], scores [b]).
+
+  Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
+  Bind model/beam_size/alpha/max_extra_length/max_decode_len with functools.partial and jit.
+  """
+  batch = inputs.shape[0]
+  encoded = model.apply({'params': params}, inputs, method=model.encode)  # [b, s, e]
+  n = max(beam_size, 1)
+  cache = model.apply({'params': params}, encoded, n, max_decode_len, method=model.init_cache)
+  source_lengths = jnp.sum(inputs > 0, axis=1)  # [b]
+  max_lengths = source_lengths + max_extra_length
+
+  def tokens_to_logits(ids, cache):
+    return model.apply({'params': params}, ids, inputs, cache, method=model.decode_step)
+
+  if beam_size <= 1:
+    return greedy_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len)
+  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len, beam_size, alpha)
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_decode_len: int):
+  """One compiled predict step per (model, beam, alpha, lengths); cached across calls."""
+  return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size, alpha=alpha,
+                                   max_extra_length=max_extra_length, max_decode_len=max_decode_len))
+
+
+def decode_length(source_length: int, max_extra_length: int, max_len: int) -> int:
+  """A static output length for a padded source length, rounded up to limit recompilation."""
+  need = source_length + max_extra_length
+  return int(min(max_len, int(np.ceil(need / 16.0) * 16)))

@@ -1,0 +1,82 @@
+"""Evaluation loops: validation loss/perplexity/accuracy, and translate-then-sacreBLEU."""
+
+import math
+
+import jax
+import numpy as np
+import sacrebleu
+
+from flax_transformer import decode, tokenizer
+from flax_transformer.model import Transformer
+
+
+def evaluate_loss(eval_step, params, batches, to_global) -> dict:
+  """Sums the jitted eval step over `batches` (numpy dicts); returns per-token loss, perplexity, accuracy."""
+  totals = None
+  for batch in batches:
+    sums = eval_step(params, to_global(batch))
+    totals = sums if totals is None else jax.tree_util.tree_map(lambda a, b: a + b, totals, sums)
+  totals = jax.device_get(totals)
+  tokens = max(float(totals['tokens']), 1.0)
+  nll = float(totals['nll']) / tokens
+  return {'loss': float(totals['loss']) / tokens, 'nll': nll, 'perplexity': math.exp(min(nll, 50.0)),
+          'accuracy': float(totals['correct']) / tokens, 'tokens': tokens}
+
+
+def length_sorted_batches(token_lists: list[list[int]], batch_tokens: int, max_batch: int = 512):
+  """Indices grouped so each batch of similar-length sentences holds about `batch_tokens` source tokens."""
+  order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+  batches, current, longest = [], [], 0
+  for i in order:
+    length = max(len(token_lists[i]), 1)
+    if current and (max(longest, length) * (len(current) + 1) > batch_tokens or len(current) >= max_batch):
+      batches.append(current)
+      current, longest = [], 0
+    current.append(i)
+    longest = max(longest, length)
+  if current:
+    batches.append(current)
+  return batches
+
+
+def _round_up(x: int, to: int) -> int:
+  return int(math.ceil(x / to) * to)
+
+
+def translate_sentences(params, model_config, processor, sentences: list[str], *, beam_size: int, alpha: float,
+                        max_extra_length: int, batch_tokens: int = 4096, progress=None) -> list[str]:
+  """Translates `sentences` in length-sorted batches and returns the translations in input order.
+
+  Empty sentences translate to empty strings; sources longer than the model's position table are cut.
+  """
+  model = Transformer(model_config)
+  limit = model_config.max_len - 1
+  encoded = [processor.encode(s)[:limit] + [1] if s.strip() else [] for s in sentences]
+  outputs = [''] * len(sentences)
+  todo = [i for i, ids in enumerate(encoded) if ids]
+  batches = length_sorted_batches([encoded[i] for i in todo], batch_tokens)
+  done = 0
+  for batch in batches:
+    indices = [todo[j] for j in batch]
+    source_length = _round_up(max(len(encoded[i]) for i in indices), 8)
+    rows = _round_up(len(indices), 8)  # a few batch shapes, so a few compilations
+    inputs = np.zeros((rows, source_length), np.int32)
+    for row, i in enumerate(indices):
+      inputs[row, :len(encoded[i])] = encoded[i]
+    max_decode_len = decode.decode_length(source_length, max_extra_length, model_config.max_len)
+    translate = decode.jitted_translate(model, beam_size, alpha, max_extra_length, max_decode_len)
+    tokens, _ = translate(params, inputs)
+    tokens = np.asarray(jax.device_get(tokens))
+    for row, i in enumerate(indices):
+      outputs[i] = tokenizer.decode_ids(processor, tokens[row])
+    done += len(indices)
+    if progress:
+      progress(done, len(todo))
+  return outputs
+
+
+def bleu(hypotheses: list[str], references: list[str], tokenize: str = '13a', lowercase: bool = False):
+  """sacreBLEU corpus BLEU; returns (score, signature string)."""
+  metric = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
+  result = metric.corpus_score(hypotheses, [references])
+  return result.score, str(metric.get_signature())

@@ -1,0 +1,238 @@
+"""`train_and_evaluate(config, workdir)`: the loop only orchestrates batches, the pure step and hooks.
+
+Hooks: progress line and TensorBoard every `log_every_steps`, validation loss/perplexity/accuracy and
+BLEU on a validation sample every `eval_every_steps`, an Orbax checkpoint (plus the data iterator)
+every `checkpoint_every_steps`, on the last step and on SIGTERM/SIGINT. A NaN/Inf loss stops the
+run before the next checkpoint is written, so the last good one stays untouched.
+"""
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import tensorflow as tf
+
+from flax_transformer import (checkpointing, evaluation, input_pipeline, optim, partitioning, steps,
+                              tokenizer)
+from flax_transformer.errors import ConfigError, UserError
+from flax_transformer.model import TransformerConfig
+
+METRICS_FILENAME = 'train_metrics.jsonl'
+
+
+class TrainingDiverged(UserError):
+  """The loss became NaN or Inf."""
+
+
+class CheckpointSaveFailed(UserError):
+  """A checkpoint could not be written (disk full, permissions...)."""
+
+
+def maybe_initialize_distributed(config) -> None:
+  """jax.distributed for multi-process runs: explicit config values, else detected from the environment."""
+  if jax.process_count() > 1 or getattr(jax.distributed, 'is_initialized', lambda: False)():
+    return
+  address = config.get('coordinator_address', '')
+  if address:
+    jax.distributed.initialize(coordinator_address=address, num_processes=config.num_processes,
+                               process_id=config.process_id)
+  elif any(k in os.environ for k in ('SLURM_NTASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS')):
+    if int(os.environ.get('SLURM_NTASKS', '1')) > 1 or 'TPU_WORKER_HOSTNAMES' in os.environ:
+      jax.distributed.initialize()
+
+
+def check_config(config) -> None:
+  for field in ('num_train_steps', 'checkpoint_every_steps', 'eval_every_steps', 'log_every_steps',
+                'keep_checkpoints', 'gradient_accumulation_steps', 'tokens_per_batch'):
+    value = config[field]
+    if not isinstance(value, int) or value < 1:
+      raise ConfigError(f'config.{field}={value!r}: must be a positive integer')
+  if config.keep_checkpoints < config.average_last:
+    raise ConfigError(f'config.keep_checkpoints={config.keep_checkpoints} is below config.average_last='
+                      f'{config.average_last}; keep at least as many checkpoints as are averaged')
+
+
+class _StopSignal:
+  """Turns SIGTERM/SIGINT into a flag the loop checks after each step (checkpoint, then exit 0)."""
+
+  def __init__(self):
+    self.received = None
+    self._previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    self.received = signal.Signals(signum).name
+
+  def restore(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def _format_eta(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains (or resumes) the run in `workdir`; returns the last metrics."""
+  tf.config.set_visible_devices([], 'GPU')
+  tf.config.set_visible_devices([], 'TPU') if tf.config.list_physical_devices('TPU') else None
+  maybe_initialize_distributed(config)
+  check_config(config)
+  model_config = TransformerConfig.from_config(config)
+  is_chief = jax.process_index() == 0
+  workdir = os.path.abspath(workdir)
+  checkpointing.check_workdir(workdir, config)
+  mesh = partitioning.create_mesh(config.mesh_shape)
+  partitioning.check_model_fits_mesh(model_config, mesh)
+  dp_size = partitioning.data_parallel_size(mesh)
+
+  # Vocabulary: trained once by process 0 into the workdir, then read by everyone.
+  if is_chief:
+    _, vocab_path = tokenizer.train_or_load(config, workdir, lambda: input_pipeline.python_pairs(config))
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices('vocabulary')
+  processor, vocab_path = tokenizer.train_or_load(config, workdir, None)
+  if is_chief:
+    checkpointing.write_config(workdir, config)
+
+  rng = jax.random.key(config.seed, impl=config.dropout_rng_impl)
+  init_rng, dropout_rng = jax.random.split(rng)
+  state, state_shardings = partitioning.create_train_state(config, model_config, mesh, init_rng)
+  manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
+
+  dropped = input_pipeline.DroppedCounter()
+  train_data = input_pipeline.train_batches(config, vocab_path, dp_size, dropped=dropped)
+  options = tf.data.Options()
+  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+  train_iter = iter(train_data.with_options(options))
+
+  start_step = manager.latest_step()
+  if start_step is not None:
+    state = checkpointing.restore_state(manager, start_step, state, state_shardings)
+    if not checkpointing.restore_data_state(workdir, start_step, train_iter):
+      logging.warning('no data-iterator state for step %d: the data order restarts', start_step)
+    print(f'resumed from step {start_step} in {workdir}', flush=True)
+  start_step = int(jax.device_get(state.step))
+
+  _, schedule = optim.create_optimizer(config, model_config.d_model)
+  train_step = partitioning.jit_train_step(
+      functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
+                        gradient_accumulation_steps=config.gradient_accumulation_steps), mesh, state_shardings)
+  eval_step = partitioning.jit_eval_step(
+      functools.partial(steps.eval_step, model_config=model_config, label_smoothing=config.label_smoothing),
+      mesh, state_shardings.params)
+  batch_sharding = partitioning.batch_sharding(mesh)
+
+  def to_global(batch):
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+
+  writer = tf.summary.create_file_writer(os.path.join(workdir, 'tensorboard')) if is_chief else None
+  metrics_file = open(os.path.join(workdir, METRICS_FILENAME), 'a') if is_chief else None
+
+  def log_scalars(step, scalars, prefix):
+    if not is_chief:
+      return
+    with writer.as_default(step=step):
+      for name, value in scalars.items():
+        tf.summary.scalar(f'{prefix}/{name}', value)
+    writer.flush()
+    metrics_file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
+    metrics_file.flush()
+
+  def save(step):
+    try:
+      manager.wait_until_finished()  # surfaces a failure of the previous asynchronous save
+      checkpointing.save_state(manager, state)
+      checkpointing.save_data_state(workdir, step, train_iter, manager.all_steps()) if is_chief else None
+    except Exception as error:  # disk full, permission denied...
+      raise CheckpointSaveFailed(f'saving the checkpoint at step {step} in {workdir} failed '
+                                 f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
+                                 f'and earlier checkpoints are intact') from None
+
+  eval_sources, eval_references = None, None
+
+  def evaluate(step):
+    nonlocal eval_sources, eval_references
+    results = evaluation.evaluate_loss(eval_step, state.params,
+                                       input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size)
+                                       .as_numpy_iterator(), to_global)
+    if config.num_eval_bleu_sentences > 0:
+      if eval_sources is None:
+        pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+        eval_sources, eval_references = [p[0] for p in pairs], [p[1] for p in pairs]
+      params = jax.device_get(state.params) if jax.process_count() > 1 else state.params
+      hypotheses = evaluation.translate_sentences(params, model_config, processor, eval_sources,
+                                                  beam_size=config.beam_size, alpha=config.length_penalty_alpha,
+                                                  max_extra_length=config.max_extra_length,
+                                                  batch_tokens=config.eval_tokens_per_batch)
+      results['bleu'], _ = evaluation.bleu(hypotheses, eval_references)
+    log_scalars(step, results, 'eval')
+    if is_chief:
+      bleu = f' bleu {results["bleu"]:.2f}' if 'bleu' in results else ''
+      print(f'eval step {step}: loss {results["loss"]:.4f} perplexity {results["perplexity"]:.2f} '
+            f'accuracy {results["accuracy"]:.4f}{bleu}', flush=True)
+    return results
+
+  stop = _StopSignal()
+  pending, last_metrics, eval_results = [], {}, {}
+  tick, tick_step, run_start = time.perf_counter(), start_step, time.perf_counter()
+  step = start_step
+  try:
+    while step < config.num_train_steps:
+      batch = to_global({k: v.numpy() for k, v in next(train_iter).items()})
+      state, metrics = train_step(state, batch, dropout_rng)
+      pending.append(metrics)
+      step += 1
+      last = step == config.num_train_steps
+      checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop.received
+      if step % config.log_every_steps == 0 or checkpoint_due:
+        fetched = jax.device_get(pending)
+        losses = np.array([m['loss'] for m in fetched])
+        if not np.all(np.isfinite(losses)):
+          bad = step - len(fetched) + int(np.argmin(np.isfinite(losses)))
+          raise TrainingDiverged(f'the training loss became {losses[~np.isfinite(losses)][0]} at step {bad + 1}; '
+                                 f'the run stopped and the last checkpoint ({manager.latest_step()}) is untouched; '
+                                 f'lower config.learning_rate_factor or enable config.grad_clip_norm')
+        now = time.perf_counter()
+        tokens = float(sum(m['tokens'] for m in fetched))
+        elapsed = now - tick
+        last_metrics = {'loss': float(np.mean(losses)), 'nll': float(np.mean([m['nll'] for m in fetched])),
+                        'accuracy': float(np.mean([m['accuracy'] for m in fetched])),
+                        'grad_norm': float(np.mean([m['grad_norm'] for m in fetched])),
+                        'learning_rate': float(schedule(step - 1)), 'tokens_per_second': tokens / elapsed,
+                        'steps_per_second': (step - tick_step) / elapsed,
+                        'dropped_too_long': dropped.value}
+        log_scalars(step, last_metrics, 'train')
+        if is_chief:  # every step's loss, exactly (json floats round-trip), for resume checks and plots
+          metrics_file.write(json.dumps({'step': step, 'split': 'train_steps',
+                                         'losses': [float(x) for x in losses]}) + '\n')
+        if is_chief:
+          eta = (config.num_train_steps - step) / max(last_metrics['steps_per_second'], 1e-9)
+          print(f'step {step}/{config.num_train_steps} loss {last_metrics["loss"]:.4f} '
+                f'lr {last_metrics["learning_rate"]:.2e} {last_metrics["tokens_per_second"]:,.0f} tok/s '
+                f'elapsed {_format_eta(now - run_start)} ETA {_format_eta(eta)}', flush=True)
+        pending, tick, tick_step = [], now, step
+      if checkpoint_due:
+        save(step)
+      if step % config.eval_every_steps == 0 or last:
+        eval_results = evaluate(step)
+        tick = time.perf_counter()
+      if stop.received:
+        print(f'{stop.received} received: checkpoint saved at step {step}; exiting', flush=True)
+        break
+    manager.wait_until_finished()
+  finally:
+    stop.restore()
+    manager.close()
+    if metrics_file:
+      metrics_file.close()
+  return {'step': step, 'train': last_metrics, 'eval': eval_results}

@@ -1,0 +1,28 @@
+"""Train a Transformer: python train.py --config=configs/base.py --workdir=DIR [--config.field=value ...]"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file('config', None, 'Run configuration file (configs/*.py).', lock_config=True)
+flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and TensorBoard logs.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  import tensorflow as tf
+  tf.config.set_visible_devices([], 'GPU')  # tf.data must not take accelerator memory
+  from flax_transformer import train_loop
+  from flax_transformer.errors import UserError
+  try:
+    train_loop.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except UserError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main)
