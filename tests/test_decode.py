@@ -1,0 +1,107 @@
+"""Cached decoding equals full recomputation; beam search against brute force; averaging."""
+
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flax_transformer import checkpointing, decode
+from flax_transformer.model import Transformer
+from tests.conftest import random_batch
+
+
+def test_cached_decoding_equals_full_forward(small_model_config, np_rng):
+  batch = random_batch(np_rng, 3, 7, 6, small_model_config.vocab_size)
+  model = Transformer(small_model_config)
+  params = nn.meta.unbox(model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
+  full = model.apply({'params': params}, batch['inputs'], batch['targets'])  # [b, t, v]
+  encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
+  cache = model.apply({'params': params}, encoded, 1, 6, method=model.init_cache)
+  previous = np.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
+  for t in range(6):
+    logits, cache = model.apply({'params': params}, previous[:, t:t + 1], batch['inputs'], cache,
+                                method=model.decode_step)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
+
+
+def _table_model(table):
+  """tokens_to_logits from a fixed table: logits depend on (previous token, step)."""
+  table = jnp.asarray(table)  # [steps, vocab(prev), vocab(next)]
+
+  def tokens_to_logits(ids, cache):
+    step = cache['step']
+    return table[step, ids[:, 0]], {'step': step + 1, 'rows': cache['rows']}
+  return tokens_to_logits
+
+
+def _brute_force(table, max_length, alpha):
+  """Best length-penalised score over every sequence that ends with EOS or at the length limit."""
+  log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(table)))  # the model's distribution; pad never chosen
+  vocab = table.shape[-1]
+  best, best_seq = -np.inf, None
+  for length in range(1, max_length + 1):
+    for seq in itertools.product(range(2, vocab), repeat=length - 1):
+      for last in range(1, vocab):
+        if length < max_length and last != 1:
+          continue  # shorter sequences must end with EOS
+        full = list(seq) + [last]
+        prev, score = 0, 0.0
+        for step, token in enumerate(full):
+          score += log_probs[step, prev, token]
+          prev = token
+        score /= ((5 + length) / 6) ** alpha
+        if score > best:
+          best, best_seq = score, full
+  return best, best_seq
+
+
+@pytest.mark.parametrize('alpha', [0.0, 0.6, 2.0])
+def test_beam_search_finds_the_brute_force_optimum(alpha):
+  rng = np.random.default_rng(int(alpha * 10))
+  vocab, max_length, batch = 4, 4, 3
+  tables = [rng.normal(size=(max_length, vocab, vocab)).astype(np.float32) * 2 for _ in range(batch)]
+  for b, table in enumerate(tables):
+    beam = 3 ** (max_length - 1) * 2  # wide enough to be exhaustive
+    cache = {'step': jnp.array(0), 'rows': jnp.zeros((beam,))}
+    tokens, scores = jax.jit(lambda c: decode.beam_search(_table_model(table), c, 1, jnp.array([max_length]),
+                                                          max_length, beam, alpha))(cache)
+    expected_score, expected_seq = _brute_force(table, max_length, alpha)
+    np.testing.assert_allclose(float(scores[0]), expected_score, rtol=1e-5)
+    got = [int(t) for t in tokens[0] if t]
+    assert got == expected_seq
+
+
+def test_beam_one_equals_greedy_and_batch_order_is_kept(small_model_config, np_rng):
+  batch = random_batch(np_rng, 4, 6, 5, small_model_config.vocab_size)
+  model = Transformer(small_model_config)
+  params = nn.meta.unbox(model.init(jax.random.key(2), batch['inputs'], batch['targets'])['params'])
+  run = lambda inputs, beam: decode.translate_batch(params, inputs, model=model, beam_size=beam, alpha=0.6,
+                                                    max_extra_length=5, max_decode_len=12)
+  greedy, _ = run(batch['inputs'], 1)
+  beam_1 = decode.beam_search(
+      lambda ids, c: model.apply({'params': params}, ids, batch['inputs'], c, method=model.decode_step),
+      model.apply({'params': params}, model.apply({'params': params}, batch['inputs'], method=model.encode), 1, 12,
+                  method=model.init_cache),
+      4, jnp.sum(batch['inputs'] > 0, 1) + 5, 12, 1, 0.0)[0]
+  np.testing.assert_array_equal(np.asarray(greedy), np.asarray(beam_1))
+  beam_4, _ = run(batch['inputs'], 4)
+  reversed_4, _ = run(batch['inputs'][::-1], 4)
+  np.testing.assert_array_equal(np.asarray(beam_4), np.asarray(reversed_4)[::-1])
+  lengths = (np.asarray(beam_4) > 0).sum(1)
+  assert np.all(lengths <= (batch['inputs'] > 0).sum(1) + 5)
+
+
+def test_averaging_checkpoints(tmp_path):
+  a = {'w': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.ones(3, np.float32)}
+  b = {'w': np.full((2, 3), 4.0, np.float32), 'b': np.zeros(3, np.float32)}
+  same = checkpointing.average_params([a, a, a])
+  np.testing.assert_array_equal(same['w'], a['w'])
+  mean = checkpointing.average_params([a, b])
+  np.testing.assert_allclose(mean['w'], (a['w'] + b['w']) / 2)
+  np.testing.assert_allclose(mean['b'], 0.5)
+  checkpointing.save_params(str(tmp_path / 'checkpoints'), 7, mean)
+  restored = checkpointing.restore_params(str(tmp_path), 7, mean)
+  np.testing.assert_allclose(np.asarray(restored['w']), mean['w'])

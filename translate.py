@@ -1,0 +1,109 @@
+"""Translate with a trained model: python translate.py --workdir=DIR --input=FILE|- [--output=FILE] [--reference=FILE]
+
+Restores parameters only (no optimizer state), averaged over the config's `average_last` checkpoints
+unless --step or --average_last says otherwise, decodes with the config's beam search defaults
+(beam 4, α 0.6, max length = input + 50 for the paper configs) in length-sorted batches, and writes one
+line per input line, in input order. With --reference, prints sacreBLEU and its signature.
+"""
+
+import gzip
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string('workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/).')
+flags.DEFINE_string('checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
+flags.DEFINE_integer('step', None, 'Use this checkpoint step alone.')
+flags.DEFINE_integer('average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
+flags.DEFINE_string('input', '-', 'Source text file (plain or .gz), or - for stdin.')
+flags.DEFINE_string('output', '-', 'Where to write translations, or - for stdout.')
+flags.DEFINE_string('reference', None, 'Reference translations (plain or .gz): print sacreBLEU.')
+flags.DEFINE_integer('beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
+flags.DEFINE_float('alpha', None, 'Length-penalty exponent (default: the config\'s).')
+flags.DEFINE_integer('batch_tokens', None, 'Source tokens per decoding batch (default: config eval_tokens_per_batch).')
+flags.DEFINE_enum('bleu_tokenize', '13a', ['13a', 'none', 'intl', 'zh', 'char'],
+                  'sacreBLEU tokenizer: 13a for detokenized text, none for pre-tokenized references.')
+flags.DEFINE_bool('lowercase', False, 'Case-insensitive BLEU.')
+flags.mark_flags_as_required(['workdir'])
+
+
+def read_input(path: str) -> list[str]:
+  from flax_transformer import input_pipeline
+  if path == '-':
+    data = sys.stdin.buffer.read()
+    lines = data.split(b'\n')
+    if lines and lines[-1] == b'':
+      lines.pop()
+    out = []
+    for number, line in enumerate(lines, 1):
+      try:
+        out.append(line.decode('utf-8').rstrip('\r'))
+      except UnicodeDecodeError:
+        raise input_pipeline.DataError(f'standard input: line {number} is not valid UTF-8; re-encode it as UTF-8')
+    return out
+  return input_pipeline.read_lines(path)
+
+
+def run(f) -> None:
+  import jax
+  import tensorflow as tf
+  tf.config.set_visible_devices([], 'GPU')
+  from flax_transformer import average, checkpointing, evaluation, tokenizer
+  from flax_transformer.errors import WorkdirError
+  from flax_transformer.model import TransformerConfig
+  import flax.linen as nn
+  from flax_transformer import partitioning
+
+  config = checkpointing.read_config(f.workdir)
+  model_config = TransformerConfig.from_config(config)
+  vocab_path = config.vocab_path or f'{f.workdir}/{tokenizer.VOCAB_FILENAME}'
+  processor = tokenizer.load(vocab_path, model_config.vocab_size)
+  source = f.checkpoint_dir or f.workdir
+  if f.step is not None:
+    if f.step not in checkpointing.available_steps(source):
+      raise WorkdirError(f'no checkpoint at step {f.step} in {source}; available: {checkpointing.available_steps(source)}')
+    params = checkpointing.restore_params(source, f.step, nn.meta.unbox(partitioning.abstract_params(model_config)))
+    chosen = [f.step]
+  else:
+    count = f.average_last if f.average_last is not None else config.average_last
+    params, chosen = average.averaged_params(source, count, model_config)
+  sentences = read_input(f.input)
+  print(f'translating {len(sentences)} lines with checkpoint(s) {chosen} on {jax.device_count()} '
+        f'{jax.default_backend()} device(s)', file=sys.stderr)
+  progress = lambda done, total: print(f'\r{done}/{total} sentences', end='', file=sys.stderr, flush=True)
+  translations = evaluation.translate_sentences(
+      params, model_config, processor, sentences,
+      beam_size=f.beam_size if f.beam_size is not None else config.beam_size,
+      alpha=f.alpha if f.alpha is not None else config.length_penalty_alpha,
+      max_extra_length=config.max_extra_length,
+      batch_tokens=f.batch_tokens or config.eval_tokens_per_batch, progress=progress)
+  print(file=sys.stderr)
+  text = ''.join(t + '\n' for t in translations)
+  if f.output == '-':
+    sys.stdout.write(text)
+  else:
+    opener = gzip.open if f.output.endswith('.gz') else open
+    with opener(f.output, 'wt', encoding='utf-8') as out:
+      out.write(text)
+  if f.reference:
+    from flax_transformer import input_pipeline
+    references = input_pipeline.read_lines(f.reference)
+    if len(references) != len(translations):
+      raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input has '
+                                     f'{len(translations)}; give the reference of this input')
+    score, signature = evaluation.bleu(translations, references, f.bleu_tokenize, f.lowercase)
+    print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
+
+
+def main(argv):
+  del argv
+  from flax_transformer.errors import UserError
+  try:
+    run(flags.FLAGS)
+  except UserError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  app.run(main)
