@@ -8,6 +8,7 @@ Layout of a workdir:
 """
 
 import json
+import logging
 import os
 
 import jax
@@ -100,7 +101,12 @@ def save_data_state(workdir: str, step: int, iterator, keep_steps: list[int]) ->
   """Saves the tf.data iterator position at `step` and removes those of checkpoints no longer kept."""
   directory = os.path.join(workdir, DATA_STATE_DIR)
   tf.io.gfile.makedirs(directory)
-  tf.train.Checkpoint(iterator=iterator).write(os.path.join(directory, str(step)))
+  try:
+    tf.train.Checkpoint(iterator=iterator).write(os.path.join(directory, str(step)))
+  except tf.errors.UnimplementedError as error:  # e.g. a generator-backed source (tfds mock data)
+    logging.warning('the data iterator cannot be checkpointed (%s); a resumed run restarts the data order',
+                    str(error).splitlines()[0][:200])
+    return
   keep = {str(s) for s in keep_steps} | {str(step)}
   for name in tf.io.gfile.listdir(directory):
     if name.split('.')[0] not in keep:

@@ -227,6 +227,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
         eval_results = evaluate(step)
         tick = time.perf_counter()
       if stop.received:
+        if not checkpoint_due:  # the signal arrived after this step's checks
+          save(step)
         print(f'{stop.received} received: checkpoint saved at step {step}; exiting', flush=True)
         break
     manager.wait_until_finished()

@@ -1,0 +1,161 @@
+"""train_and_evaluate end to end: workdir contents, tfds path, exact resume after SIGKILL, SIGTERM, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import tensorflow_datasets as tfds
+
+from flax_transformer import checkpointing, train_loop
+from flax_transformer.errors import WorkdirError
+from tests.test_input_pipeline import write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_run(config, tmp_path):
+  (train_src, train_tgt), _, _ = write_corpus(str(tmp_path), 200, 0, 'train')
+  (eval_src, eval_tgt), _, _ = write_corpus(str(tmp_path), 10, 1, 'eval')
+  config.dataset = 'files'
+  config.train_source, config.train_target = train_src, train_tgt
+  config.eval_source, config.eval_target = eval_src, eval_tgt
+  config.num_bucket_boundaries = 1  # few shapes: few compilations
+  config.max_length = 16
+  config.eval_max_length = 16
+  config.num_train_steps = 6
+  config.checkpoint_every_steps = 3
+  config.eval_every_steps = 6
+  config.log_every_steps = 1
+  config.num_eval_bleu_sentences = 4
+  config.mesh_shape = (1, 1, 1)
+  return config
+
+
+def read_step_losses(workdir):
+  losses = {}
+  with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:
+    for line in f:
+      record = json.loads(line)
+      if record['split'] == 'train_steps':
+        losses[record['step']] = record['losses'][-1]
+  return losses
+
+
+def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, monkeypatch):
+  import jax
+  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
+  config = small_run(tiny_config, tmp_path)
+  workdir = str(tmp_path / 'work')
+  result = train_loop.train_and_evaluate(config, workdir)
+  assert checkpointing.available_steps(workdir) == [3, 6]
+  assert os.path.exists(os.path.join(workdir, 'sentencepiece.model'))
+  assert os.path.exists(os.path.join(workdir, 'config.json'))
+  assert any(name.startswith('events') for name in os.listdir(os.path.join(workdir, 'tensorboard')))
+  assert 'bleu' in result['eval'] and result['eval']['perplexity'] > 1
+  # A workdir holding another model is refused and left as it is.
+  config.model.d_model = 32
+  with pytest.raises(WorkdirError, match='holds a run with model.d_model=16'):
+    train_loop.train_and_evaluate(config, workdir)
+  assert checkpointing.available_steps(workdir) == [3, 6]
+
+
+def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
+  import jax
+  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
+  config = small_run(tiny_config, tmp_path)
+  config.dataset = 'wmt14_translate/de-en'
+  config.num_train_steps = 3
+  # mock_data patches file I/O in a way Orbax cannot write through: record the saves instead.
+  saved = []
+  monkeypatch.setattr(checkpointing, 'save_state', lambda manager, state: saved.append(int(state.step)))
+  monkeypatch.setattr(checkpointing, 'save_data_state', lambda *args: None)
+  with tfds.testing.mock_data(num_examples=30, policy=tfds.testing.MockPolicy.USE_CODE):
+    result = train_loop.train_and_evaluate(config, str(tmp_path / 'wmt'))
+  assert saved == [3] and result['step'] == 3 and result['eval']['tokens'] > 0
+  assert os.path.exists(str(tmp_path / 'wmt' / 'sentencepiece.model'))
+
+
+def _train_command(workdir, corpus_dir, steps=8):
+  return [sys.executable, os.path.join(ROOT, 'train.py'), '--config', os.path.join(ROOT, 'configs/tiny.py'),
+          f'--workdir={workdir}', '--config.dataset=files',
+          f'--config.train_source={corpus_dir}/train.src.gz', f'--config.train_target={corpus_dir}/train.tgt.gz',
+          f'--config.eval_source={corpus_dir}/eval.src.gz', f'--config.eval_target={corpus_dir}/eval.tgt.gz',
+          '--config.num_bucket_boundaries=1', '--config.max_length=16', '--config.eval_max_length=16',
+          f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=3', '--config.eval_every_steps=100',
+          '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=0', '--config.mesh_shape=(1,1,1)']
+
+
+def _env():
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='--xla_force_host_platform_device_count=1',
+             JAX_COMPILATION_CACHE_DIR=os.environ.get('JAX_TEST_CACHE_DIR', '/tmp/flax_transformer_jax_cache'),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.5')
+  return env
+
+
+def _run_until(command, workdir, step, sig, wait_for_checkpoint=False):
+  """Starts training and sends `sig` once step `step` has been logged (and a checkpoint is on disk)."""
+  process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for line in process.stdout:
+    if line.startswith(f'step {step}/'):
+      deadline = time.time() + 60
+      while wait_for_checkpoint and not checkpointing.available_steps(workdir) and time.time() < deadline:
+        time.sleep(0.05)
+      process.send_signal(sig)
+      break
+  output = process.communicate(timeout=300)[0]
+  return process.returncode, output
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  directory = tmp_path_factory.mktemp('corpus')
+  write_corpus(str(directory), 200, 0, 'train')
+  write_corpus(str(directory), 10, 1, 'eval')
+  return str(directory)
+
+
+def test_exact_resume_after_sigkill(corpus, tmp_path):
+  reference = str(tmp_path / 'reference')
+  steps = 40
+  subprocess.run(_train_command(reference, corpus, steps), env=_env(), check=True, capture_output=True, timeout=600)
+  killed = str(tmp_path / 'killed')
+  code, _ = _run_until(_train_command(killed, corpus, steps), killed, 5, signal.SIGKILL, wait_for_checkpoint=True)
+  assert code == -signal.SIGKILL
+  restored_from = checkpointing.available_steps(killed)[-1]
+  assert 3 <= restored_from < steps
+  result = subprocess.run(_train_command(killed, corpus, steps), env=_env(), check=True, capture_output=True,
+                          text=True, timeout=600)
+  assert f'resumed from step {restored_from}' in result.stdout
+  expected, resumed = read_step_losses(reference), read_step_losses(killed)
+  assert sorted(expected) == list(range(1, steps + 1))
+  for step in range(restored_from + 1, steps + 1):  # every step after the restored checkpoint, bitwise
+    assert resumed[step] == expected[step], (step, resumed[step], expected[step])
+
+
+def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
+  workdir = str(tmp_path / 'term')
+  code, output = _run_until(_train_command(workdir, corpus, steps=50), workdir, 4, signal.SIGTERM)
+  assert code == 0, output[-2000:]
+  saved = checkpointing.available_steps(workdir)
+  assert f'SIGTERM received: checkpoint saved at step {saved[-1]}' in output
+  assert 4 <= saved[-1] < 50
+
+
+def test_bad_input_is_a_one_line_error(corpus, tmp_path):
+  unwritable = tmp_path / 'ro'
+  unwritable.mkdir()
+  unwritable.chmod(0o500)
+  blocker = tmp_path / 'file'
+  blocker.write_text('not a directory')
+  for workdir, message in ((str(blocker / 'sub'), 'is not writable'),):
+    result = subprocess.run(_train_command(workdir, corpus), env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+    assert len(errors) == 1 and message in errors[0]
+  result = subprocess.run(_train_command(str(tmp_path / 'w'), corpus) + ['--config.train_source=/nonexistent.gz'],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1 and 'error: data file /nonexistent.gz does not exist' in result.stderr
