@@ -30,17 +30,7 @@ flags.mark_flags_as_required(['workdir'])
 def read_input(path: str) -> list[str]:
   from flax_transformer import input_pipeline
   if path == '-':
-    data = sys.stdin.buffer.read()
-    lines = data.split(b'\n')
-    if lines and lines[-1] == b'':
-      lines.pop()
-    out = []
-    for number, line in enumerate(lines, 1):
-      try:
-        out.append(line.decode('utf-8').rstrip('\r'))
-      except UnicodeDecodeError:
-        raise input_pipeline.DataError(f'standard input: line {number} is not valid UTF-8; re-encode it as UTF-8')
-    return out
+    return input_pipeline.decode_lines(sys.stdin.buffer.read(), 'standard input')
   return input_pipeline.read_lines(path)
 
 

@@ -43,6 +43,11 @@ def read_lines(path: str) -> list[str]:
     data = raw.read()
   if path.endswith('.gz'):
     data = gzip.decompress(data)
+  return decode_lines(data, path)
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+  """UTF-8 bytes -> lines without newlines; a bad line is a one-line error naming `name` and its number."""
   lines = data.split(b'\n')
   if lines and lines[-1] == b'':
     lines.pop()
@@ -51,7 +56,7 @@ def read_lines(path: str) -> list[str]:
     try:
       out.append(line.decode('utf-8').rstrip('\r'))
     except UnicodeDecodeError as error:
-      raise DataError(f'{path}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
+      raise DataError(f'{name}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
                       f're-encode the file as UTF-8') from None
   return out
 
