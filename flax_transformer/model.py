@@ -6,6 +6,7 @@ as the start symbol. Incremental decoding: `init_cache` then `decode_step` (see 
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -103,10 +104,10 @@ class EncoderLayer(nn.Module):
     self.feed_forward_sublayer = SublayerConnection(c)
 
   def __call__(self, x, bias, deterministic):
-    """x [b, l, e], bias [b, 1, 1, l] -> [b, l, e]."""
+    """x [b, l, e], bias [b, 1, 1, l] -> ([b, l, e], None): the (carry, output) pair nn.scan expects."""
     x = self.attention_sublayer(x, lambda y: self.self_attention(y, bias, deterministic=deterministic),
                                 deterministic)
-    return self.feed_forward_sublayer(x, self.feed_forward, deterministic)
+    return self.feed_forward_sublayer(x, self.feed_forward, deterministic), None
 
 
 class DecoderLayer(nn.Module):
@@ -124,19 +125,23 @@ class DecoderLayer(nn.Module):
     self.cross_attention_sublayer = SublayerConnection(c)
     self.feed_forward_sublayer = SublayerConnection(c)
 
-  def __call__(self, y, memory, self_bias, memory_bias, deterministic):
-    """y [b, t, e], memory [b, s, e], self_bias [1, 1, t, t], memory_bias [b, 1, 1, s] -> [b, t, e]."""
+  # The three methods share one argument layout, (carry, per-layer input, four shared inputs), because
+  # nn.scan runs them all over the stacked layers with the same in_axes.
+
+  def __call__(self, y, unused_layer_input, memory, self_bias, memory_bias, deterministic):
+    """y [b, t, e], memory [b, s, e], self_bias [1, 1, t, t], memory_bias [b, 1, 1, s] -> ([b, t, e], None)."""
     y = self.self_attention_sublayer(
         y, lambda z: self.self_attention(z, self_bias, deterministic=deterministic), deterministic)
     y = self.cross_attention_sublayer(
         y, lambda z: self.cross_attention(z, memory_bias, memory, deterministic=deterministic), deterministic)
-    return self.feed_forward_sublayer(y, self.feed_forward, deterministic)
+    return self.feed_forward_sublayer(y, self.feed_forward, deterministic), None
 
-  def init_cache(self, batch_size, max_len, memory):
-    return {'self': self.self_attention.init_cache(batch_size, max_len),
-            'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
+  def init_cache(self, carry, unused_layer_input, memory, batch_size, max_len, unused=None):
+    """-> (carry, this layer's cache): see Transformer.init_cache."""
+    return carry, {'self': self.self_attention.init_cache(batch_size, max_len),
+                   'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
 
-  def decode_step(self, y, cache, step, memory_bias):
+  def decode_step(self, y, cache, step, memory_bias, unused_a=None, unused_b=None):
     """y [b·n, 1, e] -> ([b·n, 1, e], updated cache)."""
     new_cache = {}
 
@@ -171,8 +176,16 @@ class Transformer(nn.Module):
     self.target_positions = (self.source_positions if not c.learned_positions
                              else layers.PositionalEncoding(c.max_len, c.d_model, True))
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
-    self.encoder_layers = [EncoderLayer(c, name=f'encoder_layer_{i}') for i in range(c.num_encoder_layers)]
-    self.decoder_layers = [DecoderLayer(c, name=f'decoder_layer_{i}') for i in range(c.num_decoder_layers)]
+    # Each stack is one layer scanned N times over parameters stacked on a leading 'layers' axis:
+    # XLA compiles one layer body instead of N copies (compile time grows superlinearly with N on CPU).
+    scan = functools.partial(nn.scan, variable_axes={'params': 0, 'intermediates': 0},
+                             split_rngs={'params': True, 'dropout': True},
+                             metadata_params={nn.PARTITION_NAME: 'layers'})
+    self.encoder = scan(EncoderLayer, in_axes=(nn.broadcast, nn.broadcast),
+                        length=c.num_encoder_layers)(c, name='encoder')
+    self.decoder = scan(DecoderLayer, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                        length=c.num_decoder_layers, methods=['__call__', 'decode_step', 'init_cache'])(
+                            c, name='decoder')
     if c.pre_norm:  # Pre-LN needs a final normalisation of each stack's output.
       self.encoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
       self.decoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
@@ -196,8 +209,7 @@ class Transformer(nn.Module):
     """inputs [b, s] int32 (0 = padding) -> encoder output [b, s, e]."""
     bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     x = self._embed(inputs, self.source_embedding, self.source_positions, not train)
-    for layer in self.encoder_layers:
-      x = layer(x, bias, not train)
+    x, _ = self.encoder(x, bias, not train)
     if self.config.pre_norm:
       x = self.encoder_norm(x)
     return x
@@ -208,8 +220,7 @@ class Transformer(nn.Module):
     self_bias = layers.causal_bias(targets.shape[1])  # [1, 1, t, t]
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, not train)
-    for layer in self.decoder_layers:
-      y = layer(y, encoded, self_bias, memory_bias, not train)
+    y, _ = self.decoder(y, None, encoded, self_bias, memory_bias, not train)
     return self._logits(y)
 
   def __call__(self, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
@@ -222,20 +233,17 @@ class Transformer(nn.Module):
     """The decoding cache for `max_len` steps of `beam_size` hypotheses per sentence.
 
     encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
-    Returns {'step': int32 scalar, 'layers': [per decoder layer {'self': {'key', 'value'}
-    [b·n, max_len, h, d], 'cross': {'key', 'value'} [b, s, h, d]}]}.
+    Returns {'step': int32 scalar, 'layers': {'self': {'key', 'value'} [N, b·n, max_len, h, d],
+    'cross': {'key', 'value'} [N, b, s, h, d]}}, stacked over the N decoder layers.
     """
     batch = encoded.shape[0]
-    return {'step': jnp.zeros((), jnp.int32),
-            'layers': [layer.init_cache(batch * beam_size, max_len, encoded) for layer in self.decoder_layers]}
+    _, layer_caches = self.decoder.init_cache(jnp.zeros(()), None, encoded, batch * beam_size, max_len, None)
+    return {'step': jnp.zeros((), jnp.int32), 'layers': layer_caches}
 
   def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
     step = cache['step']
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
-    new_layers = []
-    for layer, layer_cache in zip(self.decoder_layers, cache['layers']):
-      y, layer_cache = layer.decode_step(y, layer_cache, step, memory_bias)
-      new_layers.append(layer_cache)
-    return self._logits(y)[:, 0], {'step': step + 1, 'layers': new_layers}
+    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, memory_bias, None, None)
+    return self._logits(y)[:, 0], {'step': step + 1, 'layers': layer_caches}

@@ -17,13 +17,14 @@ def test_cached_decoding_equals_full_forward(small_model_config, np_rng):
   batch = random_batch(np_rng, 3, 7, 6, small_model_config.vocab_size)
   model = Transformer(small_model_config)
   params = nn.meta.unbox(model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
-  full = model.apply({'params': params}, batch['inputs'], batch['targets'])  # [b, t, v]
+  full = jax.jit(model.apply)({'params': params}, batch['inputs'], batch['targets'])  # [b, t, v]
   encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
   cache = model.apply({'params': params}, encoded, 1, 6, method=model.init_cache)
   previous = np.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
+  step = jax.jit(lambda ids, cache: model.apply({'params': params}, ids, batch['inputs'], cache,
+                                                method=model.decode_step))
   for t in range(6):
-    logits, cache = model.apply({'params': params}, previous[:, t:t + 1], batch['inputs'], cache,
-                                method=model.decode_step)
+    logits, cache = step(previous[:, t:t + 1], cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
 
 
@@ -78,14 +79,16 @@ def test_beam_one_equals_greedy_and_batch_order_is_kept(small_model_config, np_r
   batch = random_batch(np_rng, 4, 6, 5, small_model_config.vocab_size)
   model = Transformer(small_model_config)
   params = nn.meta.unbox(model.init(jax.random.key(2), batch['inputs'], batch['targets'])['params'])
-  run = lambda inputs, beam: decode.translate_batch(params, inputs, model=model, beam_size=beam, alpha=0.6,
-                                                    max_extra_length=5, max_decode_len=12)
+  run = lambda inputs, beam: decode.jitted_translate(model, beam, 0.6, 5, 12)(params, inputs)
   greedy, _ = run(batch['inputs'], 1)
-  beam_1 = decode.beam_search(
-      lambda ids, c: model.apply({'params': params}, ids, batch['inputs'], c, method=model.decode_step),
-      model.apply({'params': params}, model.apply({'params': params}, batch['inputs'], method=model.encode), 1, 12,
-                  method=model.init_cache),
-      4, jnp.sum(batch['inputs'] > 0, 1) + 5, 12, 1, 0.0)[0]
+
+  @jax.jit
+  def beam_1(inputs):
+    encoded = model.apply({'params': params}, inputs, method=model.encode)
+    cache = model.apply({'params': params}, encoded, 1, 12, method=model.init_cache)
+    step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
+    return decode.beam_search(step, cache, 4, jnp.sum(inputs > 0, 1) + 5, 12, 1, 0.0)[0]
+  beam_1 = beam_1(batch['inputs'])
   np.testing.assert_array_equal(np.asarray(greedy), np.asarray(beam_1))
   beam_4, _ = run(batch['inputs'], 4)
   reversed_4, _ = run(batch['inputs'][::-1], 4)

@@ -55,14 +55,15 @@ def torch_reference_logits(config: TransformerConfig, params, inputs, targets):
                                    num_decoder_layers=config.num_decoder_layers, dim_feedforward=config.d_ff,
                                    dropout=0.0, activation='relu', batch_first=True, norm_first=config.pre_norm,
                                    layer_norm_eps=config.layer_norm_epsilon)
+  layer_params = lambda stack, i: jax.tree_util.tree_map(lambda x: np.asarray(x)[i], params[stack])  # scanned
   for i, layer in enumerate(reference.encoder.layers):
-    p = params[f'encoder_layer_{i}']
+    p = layer_params('encoder', i)
     _copy_self_attention(layer.self_attn, p['self_attention'], d)
     _copy_ffn(layer, p['feed_forward'])
     _copy_norm(layer.norm1, p['attention_sublayer']['norm'])
     _copy_norm(layer.norm2, p['feed_forward_sublayer']['norm'])
   for i, layer in enumerate(reference.decoder.layers):
-    p = params[f'decoder_layer_{i}']
+    p = layer_params('decoder', i)
     _copy_self_attention(layer.self_attn, p['self_attention'], d)
     _copy_cross_attention(layer.multihead_attn, p['cross_attention'], d)
     _copy_ffn(layer, p['feed_forward'])
@@ -102,7 +103,7 @@ def test_logits_match_torch_transformer(small_model_config, np_rng, pre_norm):
   batch = random_batch(np_rng, 4, 9, 7, config.vocab_size)
   model = Transformer(config)
   params = nn.meta.unbox(model.init(jax.random.key(1), batch['inputs'], batch['targets'])['params'])
-  ours = np.asarray(model.apply({'params': params}, batch['inputs'], batch['targets']))
+  ours = np.asarray(jax.jit(model.apply)({'params': params}, batch['inputs'], batch['targets']))
   reference = torch_reference_logits(config, params, batch['inputs'], batch['targets'])
   real = batch['targets'] != 0
   error = np.abs(ours - reference)[real].max() / np.abs(reference[real]).max()
@@ -126,11 +127,12 @@ def test_decoder_is_causal(small_model_config, np_rng):
   batch = random_batch(np_rng, 2, 6, 8, small_model_config.vocab_size)
   model = Transformer(small_model_config)
   variables = model.init(jax.random.key(0), batch['inputs'], batch['targets'])
-  before = model.apply(variables, batch['inputs'], batch['targets'])
+  apply = jax.jit(model.apply)
+  before = apply(variables, batch['inputs'], batch['targets'])
   t = 4
   changed = batch['targets'].copy()
   changed[:, t] = (changed[:, t] + 7) % small_model_config.vocab_size + 2
-  after = model.apply(variables, batch['inputs'], changed)
+  after = apply(variables, batch['inputs'], changed)
   # Logits at position p depend on targets < p only (the model shifts right).
   np.testing.assert_array_equal(np.asarray(before[:, :t + 1]), np.asarray(after[:, :t + 1]))
   assert np.abs(np.asarray(before[:, t + 1:]) - np.asarray(after[:, t + 1:])).max() > 1e-4
@@ -140,9 +142,10 @@ def test_source_padding_is_ignored(small_model_config, np_rng):
   batch = random_batch(np_rng, 3, 6, 5, small_model_config.vocab_size)
   model = Transformer(small_model_config)
   variables = model.init(jax.random.key(0), batch['inputs'], batch['targets'])
-  logits = model.apply(variables, batch['inputs'], batch['targets'])
+  apply = jax.jit(model.apply)
+  logits = apply(variables, batch['inputs'], batch['targets'])
   padded = np.pad(batch['inputs'], ((0, 0), (0, 5)))
-  logits_padded = model.apply(variables, padded, batch['targets'])
+  logits_padded = apply(variables, padded, batch['targets'])
   np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_padded), atol=1e-5, rtol=1e-5)
 
 
@@ -162,10 +165,11 @@ def test_initialisation_follows_reference_implementations(small_model_config):
   d = small_model_config.d_model
   embedding = np.asarray(params['shared_embedding']['embedding'])
   assert abs(embedding.std() - d**-0.5) < 0.2 * d**-0.5  # N(0, d^-0.5)
-  qkv = np.asarray(params['encoder_layer_0']['self_attention']['qkv_kernel'])
+  qkv = np.asarray(params['encoder']['self_attention']['qkv_kernel'][0])
   limit = math.sqrt(6.0 / (d + d))  # Xavier-uniform of each d×d projection
   assert np.abs(qkv).max() <= limit and np.abs(qkv).max() > 0.9 * limit
-  assert not np.asarray(params['encoder_layer_0']['self_attention']['qkv_bias']).any()
+  assert not np.asarray(params['encoder']['self_attention']['qkv_bias']).any()
+  assert qkv.shape == (d, 3, 4, d // 4)  # each layer's slice of the stacked [layers, ...] kernel
 
 
 @pytest.mark.parametrize('field,value,message', [
