@@ -1,8 +1,11 @@
 """Train a Transformer: python train.py --config=configs/base.py --workdir=DIR [--config.field=value ...]"""
 
+import os
 import sys
 
-from absl import app, flags
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up chatter
+
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file('config', None, 'Run configuration file (configs/*.py).', lock_config=True)
@@ -11,6 +14,8 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
+  if not flags.FLAGS['verbosity'].present:  # Orbax logs every save at INFO; --verbosity=0 shows it
+    logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   import tensorflow as tf

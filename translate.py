@@ -7,9 +7,12 @@ line per input line, in input order. With --reference, prints sacreBLEU and its 
 """
 
 import gzip
+import os
 import sys
 
-from absl import app, flags
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up chatter
+
+from absl import app, flags, logging
 
 flags.DEFINE_string('workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/).')
 flags.DEFINE_string('checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
@@ -86,6 +89,8 @@ def run(f) -> None:
 
 
 def main(argv):
+  if not flags.FLAGS['verbosity'].present:  # Orbax logs every save at INFO; --verbosity=0 shows it
+    logging.set_verbosity(logging.WARNING)
   del argv
   from flax_transformer.errors import UserError
   try:

@@ -75,4 +75,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- Devices ---
   config.mesh_shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices.
+  # Multi-process runs: TPU pods and SLURM are detected from the environment; elsewhere set all three.
+  config.coordinator_address = ''  # host:port of process 0, e.g. '10.0.0.1:1234'.
+  config.num_processes = 1
+  config.process_id = 0
   return config

@@ -55,11 +55,12 @@ class Embeddings(nn.Module):
   def __call__(self, ids: jax.Array) -> jax.Array:
     """ids [b, l] int32 -> [b, l, e], scaled by √d_model."""
     embedded = jnp.take(self.embedding, ids, axis=0)  # [b, l, e]
-    return (embedded * jnp.sqrt(self.d_model)).astype(self.dtype)
+    return embedded * jnp.sqrt(self.d_model)  # float32: the residual stream stays float32 (see LayerNorm)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    """x [b, l, e] -> logits [b, l, v] with the same (transposed) matrix."""
-    return jnp.einsum('ble,ve->blv', x, self.embedding.astype(self.dtype))
+    """x [b, l, e] -> logits [b, l, v] with the same (transposed) matrix, in float32: bf16 logits
+    (3 significant digits) blur the small differences the loss is made of."""
+    return jnp.einsum('ble,ve->blv', x.astype(jnp.float32), self.embedding)
 
 
 class OutputProjection(nn.Module):
@@ -71,7 +72,7 @@ class OutputProjection(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param('kernel', nn.with_logical_partitioning(xavier_uniform, ('embed', 'vocab')),
                         (x.shape[-1], self.vocab_size), jnp.float32)
-    return jnp.einsum('ble,ev->blv', x, kernel.astype(self.dtype))  # [b, l, v]
+    return jnp.einsum('ble,ev->blv', x.astype(jnp.float32), kernel)  # [b, l, v], float32 as in Embeddings.attend
 
 
 class PositionalEncoding(nn.Module):
@@ -163,7 +164,7 @@ class MultiHeadAttention(nn.Module):
 
   def _project(self, x, kernel, bias, spec):
     """x [b, l, e] · kernel [e, ..., h, d] -> [b, l, ..., h, d]."""
-    return jnp.einsum(spec, x, kernel.astype(self.dtype)) + bias.astype(self.dtype)
+    return jnp.einsum(spec, x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
 
   @staticmethod
   def _without_key_bias(bias, key_index):
@@ -268,13 +269,18 @@ class PositionwiseFeedForward(nn.Module):
     w2 = self.param('wo_kernel', nn.with_logical_partitioning(xavier_uniform, ('mlp', 'embed')),
                     (self.d_ff, self.d_model), jnp.float32)
     b2 = self.param('wo_bias', nn.with_logical_partitioning(zeros, ('embed',)), (self.d_model,), jnp.float32)
-    hidden = jax.nn.relu(jnp.einsum('ble,ef->blf', x, w1.astype(self.dtype)) + b1.astype(self.dtype))  # [b, l, f]
+    hidden = jax.nn.relu(jnp.einsum('ble,ef->blf', x.astype(self.dtype), w1.astype(self.dtype))
+                         + b1.astype(self.dtype))  # [b, l, f]
     hidden = nn.with_logical_constraint(hidden, ('batch', 'length', 'mlp'))
     return jnp.einsum('blf,fe->ble', hidden, w2.astype(self.dtype)) + b2.astype(self.dtype)  # [b, l, e]
 
 
 class LayerNorm(nn.Module):
-  """Layer normalisation (Ba et al., 2016) over d_model, statistics in float32."""
+  """Layer normalisation (Ba et al., 2016) over d_model, in float32.
+
+  With dtype=bfloat16 only the matrix products run in bf16 (each projection casts its input); the
+  residual stream, normalisation, softmax and loss stay float32, as automatic mixed precision does.
+  """
   epsilon: float = 1e-6
   dtype: Dtype = jnp.float32
 
@@ -286,5 +292,4 @@ class LayerNorm(nn.Module):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias
-    return y.astype(self.dtype)
+    return (x32 - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias

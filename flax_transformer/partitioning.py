@@ -35,10 +35,13 @@ LOGICAL_AXIS_RULES = (
     ('mlp', 'model'),
     ('embed', 'fsdp'),
     ('embed', None),
+    ('kv', 'fsdp'),  # attention biases [.., heads, kv] (their kernels already split 'embed' over fsdp)
+    ('norm', 'fsdp'),
     ('kv', None),
     ('qkv', None),
     ('length', None),
     ('norm', None),
+    ('layers', None),  # the stacked-layer axis of nn.scan
 )
 
 
@@ -144,8 +147,14 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state_shardings) -> Callabl
                    out_shardings=(state_shardings, replicated(mesh)),
                    donate_argnums=0)
 
+  dp = data_parallel_size(mesh)
+
   @functools.wraps(train_step)
   def run(state, batch, rng):
+    rows = batch['inputs'].shape[0]
+    if rows % dp:
+      raise ConfigError(f'a global batch of {rows} rows is not divisible by the data-parallel size {dp} '
+                        f'(mesh data x fsdp); make batch sizes multiples of {dp}')
     with mesh_context(mesh):
       return jitted(state, batch, rng)
 

@@ -36,10 +36,11 @@ class CheckpointSaveFailed(UserError):
 
 def maybe_initialize_distributed(config) -> None:
   """jax.distributed for multi-process runs: explicit config values, else detected from the environment."""
-  if jax.process_count() > 1 or getattr(jax.distributed, 'is_initialized', lambda: False)():
+  if jax.distributed.is_initialized():  # (asking jax.process_count() here would start the backend too early)
     return
   address = config.get('coordinator_address', '')
   if address:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU-only clusters and tests
     jax.distributed.initialize(coordinator_address=address, num_processes=config.num_processes,
                                process_id=config.process_id)
   elif any(k in os.environ for k in ('SLURM_NTASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS')):
@@ -80,8 +81,17 @@ def _format_eta(seconds: float) -> str:
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
 
 
+def enable_compilation_cache() -> None:
+  """Persists compiled programs (one per batch shape) so a restarted or resumed run skips recompiling."""
+  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'flax_transformer', 'jax')
+  jax.config.update('jax_compilation_cache_dir', directory)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
   """Trains (or resumes) the run in `workdir`; returns the last metrics."""
+  enable_compilation_cache()
   tf.config.set_visible_devices([], 'GPU')
   tf.config.set_visible_devices([], 'TPU') if tf.config.list_physical_devices('TPU') else None
   maybe_initialize_distributed(config)

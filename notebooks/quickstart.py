@@ -1,0 +1,197 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # flax-transformer quickstart: train, translate, look inside
+#
+# Trains a small Transformer (Vaswani et al., 2017) on Multi30k EN→DE, restores it from its Orbax
+# checkpoint, translates with beam search, scores with sacreBLEU, and draws what the paper's figures show:
+# the learning-rate schedule, the training curve, the positional encodings and attention heads.
+# Everything comes from the `flax_transformer` package; this notebook defines no model code.
+
+# %% tags=["parameters"]
+# Parameters (the test sets FLAX_TRANSFORMER_NOTEBOOK_TINY=1 to run in a couple of minutes on a CPU).
+import os
+
+TINY = os.environ.get('FLAX_TRANSFORMER_NOTEBOOK_TINY', '0') == '1'
+REPO_URL = 'https://github.com/flax-transformer/flax-transformer'  # cloned when the notebook runs outside a checkout
+MULTI30K_URL = 'https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw'
+DATA_DIR = os.environ.get('MULTI30K_DIR', '../../shared/data/multi30k')  # local copy if present
+WORKDIR = os.environ.get('NOTEBOOK_WORKDIR', '/tmp/flax_transformer_quickstart')
+TRAIN_STEPS = 30 if TINY else 3000
+
+# %% [markdown]
+# ## Install and detect the backend
+# In Colab, install the package from the repository (skipped when it is already importable).
+
+# %%
+import subprocess
+import sys
+
+# The repository root holds both the package and configs/: use the checkout this notebook sits in, or clone one.
+ROOT = os.path.abspath('..') if os.path.isdir('../configs') else os.path.abspath('flax-transformer')
+if not os.path.isdir(os.path.join(ROOT, 'configs')):
+  subprocess.run(['git', 'clone', '-q', REPO_URL, ROOT], check=True)
+  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-r', os.path.join(ROOT, 'requirements.txt'),
+                  '-e', ROOT], check=True)
+sys.path.insert(0, ROOT)
+
+import jax
+import matplotlib.pyplot as plt
+import numpy as np
+import tensorflow as tf
+
+tf.config.set_visible_devices([], 'GPU')  # tf.data stays off the accelerator
+print(f'backend: {jax.default_backend()}, {jax.device_count()} device(s): {jax.devices()[0].device_kind}')
+
+# %% [markdown]
+# ## Data: Multi30k (from disk, or fetched from its public repository)
+
+# %%
+import urllib.request
+
+if not os.path.exists(os.path.join(DATA_DIR, 'train.en.gz')):
+  DATA_DIR = os.path.join(WORKDIR, 'multi30k')
+  os.makedirs(DATA_DIR, exist_ok=True)
+  for split in ('train', 'val', 'test_2016_flickr'):
+    for lang in ('en', 'de'):
+      urllib.request.urlretrieve(f'{MULTI30K_URL}/{split}.{lang}.gz', os.path.join(DATA_DIR, f'{split}.{lang}.gz'))
+print('Multi30k from', os.path.abspath(DATA_DIR))
+
+# %% [markdown]
+# ## Configure and build the mesh
+
+# %%
+from configs import multi30k
+from flax_transformer import partitioning
+
+config = multi30k.get_config(data_dir=DATA_DIR)
+config.num_train_steps = TRAIN_STEPS
+if TINY:  # a few-thousand-parameter model and few batch shapes, for a CPU test
+  config.model.vocab_size, config.model.d_model, config.model.d_ff = 300, 32, 64
+  config.model.num_encoder_layers = config.model.num_decoder_layers = 1
+  config.train_source, config.train_target = config.eval_source, config.eval_target  # 1k pairs
+  config.num_bucket_boundaries, config.max_length, config.eval_max_length = 1, 48, 64
+  config.warmup_steps, config.checkpoint_every_steps, config.eval_every_steps = 10, 15, 30
+  config.num_eval_bleu_sentences, config.keep_checkpoints, config.average_last = 0, 2, 2
+  config.log_every_steps, config.tokens_per_batch = 5, 2048
+mesh = partitioning.create_mesh(config.mesh_shape)
+print('mesh:', dict(mesh.shape))
+
+# %% [markdown]
+# ## The learning-rate schedule (§5.3)
+
+# %%
+from flax_transformer import optim
+
+steps = np.arange(1, 20001)
+fig, ax = plt.subplots(figsize=(6, 3))
+for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
+  ax.plot(steps, optim.inverse_sqrt_schedule(d_model, warmup)(steps), label=f'd_model={d_model}, warmup={warmup}')
+ax.set_xlabel('step'); ax.set_ylabel('learning rate'); ax.legend(); ax.set_title('lrate = d^-0.5 · min(step^-0.5, step · warmup^-1.5)')
+plt.show()
+
+# %% [markdown]
+# ## Sinusoidal positional encodings (§3.5)
+
+# %%
+from flax_transformer import layers
+
+table = layers.sinusoidal_positions(100, 128)
+fig, ax = plt.subplots(figsize=(7, 3))
+image = ax.imshow(table.T, aspect='auto', cmap='RdBu')
+ax.set_xlabel('position'); ax.set_ylabel('dimension'); fig.colorbar(image)
+plt.show()
+
+# %% [markdown]
+# ## Train (checkpoints, vocabulary and TensorBoard logs land in WORKDIR)
+
+# %%
+from flax_transformer import train_loop
+
+result = train_loop.train_and_evaluate(config, WORKDIR)
+print(result['eval'])
+
+# %% [markdown]
+# ## The training curve
+
+# %%
+import json
+
+records = [json.loads(line) for line in open(os.path.join(WORKDIR, train_loop.METRICS_FILENAME))]
+train = [(r['step'], r['loss']) for r in records if r['split'] == 'train']
+evals = [(r['step'], r['loss']) for r in records if r['split'] == 'eval']
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(*zip(*train), label='train (label-smoothed)')
+if evals:
+  ax.plot(*zip(*evals), 'o-', label='validation')
+ax.set_xlabel('step'); ax.set_ylabel('loss'); ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## Restore from the Orbax checkpoint (parameters only, averaged) and translate with beam search
+
+# %%
+from flax_transformer import average, evaluation, input_pipeline, tokenizer
+from flax_transformer.model import Transformer, TransformerConfig
+
+model_config = TransformerConfig.from_config(config)
+params, averaged_steps = average.averaged_params(WORKDIR, config.average_last, model_config)
+processor = tokenizer.load(os.path.join(WORKDIR, tokenizer.VOCAB_FILENAME), model_config.vocab_size)
+sources = input_pipeline.read_lines(config.test_source)[:8 if TINY else 200]
+references = input_pipeline.read_lines(config.test_target)[:len(sources)]
+translations = evaluation.translate_sentences(params, model_config, processor, sources, beam_size=config.beam_size,
+                                              alpha=config.length_penalty_alpha,
+                                              max_extra_length=config.max_extra_length)
+for source, translation in list(zip(sources, translations))[:3]:
+  print(f'{source}\n  -> {translation}')
+score, signature = evaluation.bleu(translations, references)
+print(f'averaged checkpoints {averaged_steps}; BLEU on {len(sources)} test_2016_flickr sentences: {score:.2f} ({signature})')
+
+# %% [markdown]
+# ## Attention heads for one translated sentence
+# The model sows every attention matrix into the `intermediates` collection when asked
+# (`mutable=['intermediates']`); normal calls are unchanged.
+
+# %%
+source_ids = processor.encode(sources[0]) + [1]
+target_ids = (processor.encode(translations[0]) + [1])[:model_config.max_len]
+model = Transformer(model_config)
+_, state = model.apply({'params': params}, np.array([source_ids]), np.array([target_ids]),
+                       mutable=['intermediates'])
+inter = state['intermediates']
+source_tokens = [processor.id_to_piece(i) for i in source_ids]
+target_tokens = [processor.id_to_piece(i) for i in target_ids]
+previous_tokens = ['<s>'] + target_tokens[:-1]
+
+
+def draw_heads(weights, rows, columns, title):
+  heads = weights.shape[1]
+  fig, axes = plt.subplots(1, heads, figsize=(3.2 * heads, 3.2), squeeze=False)
+  for h, ax in enumerate(axes[0]):
+    ax.imshow(np.asarray(weights[0, h]), cmap='viridis', vmin=0, vmax=1)
+    ax.set_xticks(range(len(columns))); ax.set_xticklabels(columns, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(rows))); ax.set_yticklabels(rows, fontsize=7)
+    ax.set_title(f'head {h}')
+  fig.suptitle(title)
+  plt.show()
+
+
+# Layers are scanned, so each sown tensor is stacked over layers: [layers, batch, heads, queries, keys].
+layer = -1  # the last layer
+draw_heads(inter['encoder']['self_attention']['attention_weights'][0][layer], source_tokens, source_tokens,
+           'encoder self-attention, last layer')
+draw_heads(inter['decoder']['cross_attention']['attention_weights'][0][layer], previous_tokens, source_tokens,
+           'encoder-decoder attention, last layer')

@@ -1,0 +1,137 @@
+"""Scale-out: FSDP memory per device, restore onto other meshes, multi-host, bf16, mesh errors."""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from flax_transformer import checkpointing, partitioning, steps
+from flax_transformer.errors import ConfigError
+from flax_transformer.model import TransformerConfig
+from tests.conftest import random_batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _device0_bytes(tree) -> int:
+  device = jax.devices()[0]
+  return sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(tree)
+             for shard in leaf.addressable_shards if shard.device == device)
+
+
+def _total_bytes(tree) -> int:
+  return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def test_fsdp_holds_an_eighth_per_device(tiny_config, small_model_config):
+  mesh = partitioning.create_mesh((1, 8, 1))
+  config = TransformerConfig(**{**small_model_config.__dict__, 'd_model': 64, 'd_ff': 256, 'vocab_size': 512})
+  state, _ = partitioning.create_train_state(tiny_config, config, mesh, jax.random.key(0))
+  for name, tree in (('parameters', state.params), ('optimizer state', state.opt_state)):
+    fraction = _device0_bytes(tree) / _total_bytes(tree)
+    print(f'FSDP (1,8,1): device 0 holds {fraction:.4f} of the {name} bytes ({_total_bytes(tree):,} in all)')
+    assert fraction < 1 / 8 * 1.1
+
+
+def test_checkpoint_from_one_mesh_restores_on_others(tiny_config, small_model_config, tmp_path):
+  state, _ = partitioning.create_train_state(tiny_config, small_model_config, partitioning.create_mesh((2, 2, 2)),
+                                             jax.random.key(0))
+  manager = checkpointing.create_manager(str(tmp_path), 2)
+  checkpointing.save_state(manager, state)
+  manager.wait_until_finished()
+  expected = jax.device_get(state.params)
+  for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((8, 1, 1), jax.devices())):
+    mesh = partitioning.create_mesh(shape, devices)
+    target, shardings = partitioning.create_train_state(tiny_config, small_model_config, mesh, jax.random.key(1))
+    restored = checkpointing.restore_state(manager, 0, target, shardings)
+    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(jax.device_get(restored.params))):
+      np.testing.assert_array_equal(a, b)
+  manager.close()
+  abstract = nn.meta.unbox(partitioning.abstract_params(small_model_config))
+  params_only = checkpointing.restore_params(str(tmp_path), 0, abstract)  # what translate.py does
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(expected),
+                                                   jax.tree_util.tree_leaves(jax.device_get(params_only))))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def test_two_process_run_matches_one_process(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop('XLA_FLAGS', None)
+  worker = os.path.join(ROOT, 'tests', 'multihost_worker.py')
+  single = tmp_path / 'single.json'
+  subprocess.run([sys.executable, worker, '0', '1', '0', str(single)], env=env, check=True, timeout=300,
+                 capture_output=True)
+  port, multi = str(_free_port()), tmp_path / 'multi.json'
+  processes = [subprocess.Popen([sys.executable, worker, str(i), '2', port, str(multi)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+  outputs = [p.communicate(timeout=300)[0] for p in processes]
+  assert all(p.returncode == 0 for p in processes), outputs[0][-3000:]
+  single_run, multi_run = json.loads(single.read_text()), json.loads(multi.read_text())
+  print('1 process:', single_run, '\n2 processes:', multi_run)
+  assert multi_run['processes'] == 2 and multi_run['devices'] == 8
+  np.testing.assert_allclose(multi_run['losses'], single_run['losses'], rtol=1e-5)
+
+
+def test_bfloat16_tracks_float32_and_keeps_float32_parameters(tiny_config, small_model_config, np_rng):
+  tiny_config.model = tiny_config.model.__class__(small_model_config.__dict__)
+  tiny_config.model.dropout_rate = 0.0
+  tiny_config.learning_rate_factor = 0.5  # a smooth curve: comparable step by step
+  batch = random_batch(np_rng, 16, 10, 10, tiny_config.model.vocab_size)
+  batch['targets'] = batch['inputs']  # a copy task: learnable, so the curves have somewhere to go
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  curves = {}
+  for dtype in ('float32', 'bfloat16'):
+    tiny_config.model.dtype = dtype
+    model_config = TransformerConfig.from_config(tiny_config)
+    state, shardings = partitioning.create_train_state(tiny_config, model_config, mesh, jax.random.key(0))
+    step = partitioning.jit_train_step(functools.partial(steps.train_step, model_config=model_config,
+                                                         label_smoothing=0.1), mesh, shardings)
+    losses = []
+    for _ in range(100):
+      state, metrics = step(state, batch, jax.random.key(0))
+      losses.append(float(metrics['loss']))
+    curves[dtype] = np.array(losses)
+    print(dtype, np.round(curves[dtype][::10], 3))
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))
+               if hasattr(leaf, 'dtype') and leaf.dtype != np.int32)
+  gaps = np.abs(curves['bfloat16'] - curves['float32'])
+  print(f'bf16 vs f32 over 100 steps: largest gap {gaps.max():.4f}, mean gap {gaps.mean():.4f} '
+        f'(f32 loss {curves["float32"][0]:.3f} -> {curves["float32"][-1]:.3f})')
+  # Where the loss falls fastest (~0.3 per step) a fraction of a step's lag is a large pointwise gap,
+  # so the curve is held to a tight mean and a looser maximum.
+  assert gaps.mean() < 0.02 * curves['float32'][0]
+  assert gaps.max() < 0.10 * curves['float32'][0]
+  assert curves['bfloat16'][-1] < 0.8 * curves['bfloat16'][0]
+
+
+@pytest.mark.parametrize('mesh_shape,message', [
+    ((3, 1, 1), 'config.mesh_shape=(3, 1, 1) needs 3 devices but 8 are available'),
+    ((-1, 3, 1), '8 devices are not divisible by 3'),
+])
+def test_mesh_that_does_not_fit_is_a_one_line_error(mesh_shape, message):
+  with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
+    partitioning.create_mesh(mesh_shape)
+
+
+def test_heads_and_batch_must_divide_the_mesh(tiny_config, small_model_config, np_rng):
+  config = TransformerConfig(**{**small_model_config.__dict__, 'num_heads': 2})
+  with pytest.raises(ConfigError, match='num_heads=2 is not divisible by the mesh model axis \\(4\\)'):
+    partitioning.check_model_fits_mesh(config, partitioning.create_mesh((2, 1, 4)))
+  mesh = partitioning.create_mesh((8, 1, 1))
+  state, shardings = partitioning.create_train_state(tiny_config, TransformerConfig.from_config(tiny_config), mesh,
+                                                     jax.random.key(0))
+  step = partitioning.jit_train_step(steps.train_step, mesh, shardings)
+  with pytest.raises(ConfigError, match='a global batch of 6 rows is not divisible by the data-parallel size 8'):
+    step(state, random_batch(np_rng, 6, 5, 5, 64), jax.random.key(0))
