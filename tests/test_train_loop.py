@@ -159,3 +159,30 @@ def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   result = subprocess.run(_train_command(str(tmp_path / 'w'), corpus) + ['--config.train_source=/nonexistent.gz'],
                           env=_env(), capture_output=True, text=True, timeout=300)
   assert result.returncode == 1 and 'error: data file /nonexistent.gz does not exist' in result.stderr
+
+
+def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path, monkeypatch):
+  import jax
+  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
+  config = small_run(tiny_config, tmp_path)
+  config.learning_rate_factor = 1e30  # the first update overflows the parameters
+  with pytest.raises(train_loop.TrainingDiverged, match='the training loss became (nan|inf|-inf) at step 2'):
+    train_loop.train_and_evaluate(config, str(tmp_path / 'nan'))
+  assert checkpointing.available_steps(str(tmp_path / 'nan')) == []
+
+
+def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tmp_path, monkeypatch):
+  import jax
+  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
+  config = small_run(tiny_config, tmp_path)
+  original = checkpointing.save_state
+
+  def disk_full_after_first(manager, state):
+    if int(state.step) > 3:
+      raise OSError(28, 'No space left on device')
+    original(manager, state)
+
+  monkeypatch.setattr(checkpointing, 'save_state', disk_full_after_first)
+  with pytest.raises(train_loop.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):
+    train_loop.train_and_evaluate(config, str(tmp_path / 'full'))
+  assert checkpointing.available_steps(str(tmp_path / 'full')) == [3]

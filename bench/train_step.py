@@ -1,0 +1,172 @@
+"""Training-step speed: our jitted step vs a PyTorch nn.Transformer reference, alternating, one invocation.
+
+python bench/train_step.py --shape tiny|base [--steps 10] [--threads N]
+
+Shapes (all tokens real, dropout 0.1, Adam(0.9, 0.98, 1e-9), label smoothing 0.1, fp32):
+  tiny: vocab 8192, d_model 256, 3+3 layers, 4 heads, d_ff 1024, batch 128 × 32/32
+  base: vocab 32768, d_model 512, 6+6 layers, 8 heads, d_ff 2048, batch 64 × 32/32
+Model FLOPs = 6 × (non-embedding + output-projection parameters) × target tokens + attention matmuls.
+Prints a markdown table; the last line is one JSON object.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {
+    'tiny': dict(vocab=8192, d_model=256, layers=3, heads=4, d_ff=1024, batch=128, length=32),
+    'base': dict(vocab=32768, d_model=512, layers=6, heads=8, d_ff=2048, batch=64, length=32),
+}
+
+
+def model_flops(s) -> float:
+  d, f, n, v, b, t = s['d_model'], s['d_ff'], s['layers'], s['vocab'], s['batch'], s['length']
+  encoder_layer = 4 * d * d + 2 * d * f
+  decoder_layer = 8 * d * d + 2 * d * f
+  dense = n * (encoder_layer + decoder_layer) + v * d  # non-embedding + output projection
+  attention = n * 3 * 2 * 2 * b * t * t * d  # enc self, dec self, cross: QKᵀ and AV, each 2·t²·d per sentence
+  return 6 * dense * b * t + 3 * attention
+
+
+def matmul_peak(jax, jnp) -> float:
+  n = 2048
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    f(a, a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def build_ours(s, batch):
+  import jax
+  from configs import base
+  from flax_transformer import partitioning, steps
+  from flax_transformer.model import TransformerConfig
+  config = base.get_config()
+  config.model.vocab_size, config.model.d_model, config.model.d_ff = s['vocab'], s['d_model'], s['d_ff']
+  config.model.num_heads, config.model.dropout_rate, config.model.max_len = s['heads'], 0.1, 64
+  config.model.num_encoder_layers = config.model.num_decoder_layers = s['layers']
+  model_config = TransformerConfig.from_config(config)
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  step = partitioning.jit_train_step(functools.partial(steps.train_step, model_config=model_config,
+                                                       label_smoothing=0.1), mesh, shardings)
+  rng = jax.random.key(1)
+  holder = {'state': state}
+
+  def run():
+    holder['state'], metrics = step(holder['state'], batch, rng)
+    jax.block_until_ready(metrics)
+  return run, step
+
+
+def build_torch(s, batch, threads):
+  import numpy as np
+  import torch
+  torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  d = s['d_model']
+
+  class Reference(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.embedding = torch.nn.Embedding(s['vocab'], d)
+      self.transformer = torch.nn.Transformer(d, s['heads'], s['layers'], s['layers'], s['d_ff'], dropout=0.1,
+                                              batch_first=True)
+      position = torch.arange(64)[:, None]
+      div = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+      table = torch.zeros(64, d)
+      table[:, 0::2], table[:, 1::2] = torch.sin(position * div), torch.cos(position * div)
+      self.register_buffer('positions', table)
+      self.dropout = torch.nn.Dropout(0.1)
+
+    def embed(self, ids):
+      return self.dropout(self.embedding(ids) * math.sqrt(d) + self.positions[:ids.shape[1]])
+
+    def forward(self, src, tgt_in):
+      mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1])
+      out = self.transformer(self.embed(src), self.embed(tgt_in), tgt_mask=mask, tgt_is_causal=True)
+      return out @ self.embedding.weight.T  # tied pre-softmax projection
+
+  model = Reference().train()
+  optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+  criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+  src = torch.tensor(np.asarray(batch['inputs']), dtype=torch.long)
+  tgt = torch.tensor(np.asarray(batch['targets']), dtype=torch.long)
+  tgt_in = torch.cat([torch.zeros_like(tgt[:, :1]), tgt[:, :-1]], 1)
+
+  def run():
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(src, tgt_in)
+    loss = criterion(logits.reshape(-1, s['vocab']), tgt.reshape(-1))
+    loss.backward()
+    optimizer.step()
+  return run
+
+
+def timed(run, count):
+  times = []
+  for _ in range(count):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--shape', choices=sorted(SHAPES), default='tiny')
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--threads', type=int, default=os.cpu_count())
+  args = parser.parse_args()
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  s = SHAPES[args.shape]
+  rng = np.random.default_rng(0)
+  batch = {k: rng.integers(3, s['vocab'], (s['batch'], s['length'])).astype(np.int32) for k in ('inputs', 'targets')}
+  peak = matmul_peak(jax, jnp)
+  ours, jitted = build_ours(s, batch)
+  ours()  # compile
+  ours()
+  our_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  reference = build_torch(s, batch, args.threads)
+  reference()
+  our_times, ref_times = [], []
+  for _ in range(args.steps):  # alternate so both see the same machine noise
+    our_times += timed(ours, 1)
+    ref_times += timed(reference, 1)
+  tokens = s['batch'] * s['length']
+  flops = model_flops(s)
+  ours_s, ref_s = statistics.median(our_times), statistics.median(ref_times)
+  compilations = jitted.jitted._cache_size()
+  rows = [('ours (JAX/Flax, jit)', ours_s, f'{our_rss:,.0f}', compilations),
+          ('PyTorch nn.Transformer (eager)', ref_s, '', '')]
+  print(f'shape {args.shape}: {s}; matmul peak {peak:.0f} GFLOP/s; median of {args.steps} alternating steps\n')
+  print('| implementation | step ms | target tokens/s | GFLOP/s | fraction of matmul peak | peak RSS MB | compilations |')
+  print('|---|---|---|---|---|---|---|')
+  for name, seconds, rss, compiled in rows:
+    gflops = flops / seconds / 1e9
+    print(f'| {name} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {gflops:.0f} | {gflops / peak:.2f} | {rss} | '
+          f'{compiled} |')
+  print(f'| ratio ours / reference | | {ref_s / ours_s:.2f}× | | | | |')
+  print(json.dumps({'shape': args.shape, 'tokens_per_second': round(tokens / ours_s, 1),
+                    'reference_tokens_per_second': round(tokens / ref_s, 1),
+                    'peak_fraction': round(flops / ours_s / 1e9 / peak, 3), 'peak_rss_mb': round(our_rss),
+                    'compilations': compilations}))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,81 @@
+"""translate.py end to end on a trained tiny run: order, empty lines, BLEU, averaging, one-line errors."""
+
+import gzip
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flax_transformer import checkpointing, train_loop
+from tests.test_train_loop import ROOT, _env, small_run
+
+pytestmark = pytest.mark.filterwarnings('ignore')
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  from configs import tiny
+  directory = tmp_path_factory.mktemp('translate')
+  config = small_run(tiny.get_config(), directory)
+  config.num_eval_bleu_sentences = 0
+  import jax
+  original = jax.devices
+  jax.devices = lambda *a: jax.local_devices()[:1]
+  try:
+    train_loop.train_and_evaluate(config, str(directory / 'work'))
+  finally:
+    jax.devices = original
+  return str(directory / 'work'), config
+
+
+def _translate(workdir, *flags, stdin=None):
+  return subprocess.run([sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags],
+                        env=_env(), capture_output=True, input=stdin, timeout=300)
+
+
+def test_translates_in_order_with_empty_lines_and_bleu(trained, tmp_path):
+  workdir, config = trained
+  lines = ['the cat sat on the mat', '', 'a dog runs ' * 40, 'red house']
+  source = tmp_path / 'in.txt.gz'
+  with gzip.open(source, 'wt', encoding='utf-8') as f:
+    f.write('\n'.join(lines) + '\n')
+  reference = tmp_path / 'ref.txt'
+  reference.write_text('THE CAT\n\nRUNS\nHOUSE RED\n')
+  output = tmp_path / 'out.txt'
+  result = _translate(workdir, f'--input={source}', f'--output={output}', f'--reference={reference}')
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  translations = output.read_text().split('\n')[:-1]
+  assert len(translations) == len(lines)
+  assert translations[1] == ''  # an empty line translates to an empty line
+  stderr = result.stderr.decode()
+  assert 'BLEU = ' in stderr and 'nrefs:1' in stderr
+  assert f'checkpoint(s) {checkpointing.available_steps(workdir)[-config.average_last:]}' in stderr
+
+
+@pytest.mark.parametrize('flags,stdin,message', [
+    (['--input=-', '--average_last=7'], b'hello\n', 'cannot average the last 7 checkpoints'),
+    (['--input=-'], b'ok\n\xff\n', 'standard input: line 2 is not valid UTF-8'),
+    (['--input=-', '--step=999'], b'x\n', 'no checkpoint at step 999'),
+])
+def test_bad_input_is_a_one_line_error(trained, flags, stdin, message):
+  workdir, _ = trained
+  result = _translate(workdir, *flags, stdin=stdin)
+  errors = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
+  assert result.returncode == 1 and len(errors) == 1 and message in errors[0], result.stderr.decode()[-1500:]
+
+
+def test_workdir_without_checkpoints_or_with_another_vocabulary(trained, tmp_path):
+  workdir, _ = trained
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  result = _translate(str(empty), '--input=-', stdin=b'x\n')
+  assert result.returncode == 1 and b'has no config.json' in result.stderr
+  # A vocabulary file that disagrees with the model's vocabulary size.
+  import shutil
+  copy = tmp_path / 'copy'
+  shutil.copytree(workdir, copy)
+  config_text = (copy / 'config.json').read_text().replace('"vocab_size": 64', '"vocab_size": 65')
+  (copy / 'config.json').write_text(config_text)
+  result = _translate(str(copy), '--input=-', stdin=b'x\n')
+  assert result.returncode == 1 and b'has 64 pieces but config.model.vocab_size=65' in result.stderr
