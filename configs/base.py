@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = 100_000  # §5.2: 100k steps for base.
   config.gradient_accumulation_steps = 1  # Reach 25k-token batches on fewer devices.
   config.seed = 0
-  config.dropout_rng_impl = 'threefry2x32'  # jax.random implementation for dropout masks.
+  config.dropout_rng_impl = 'rbg'  # Dropout-mask generator: threefry2x32 costs ~0.9 s a step on 2 CPU cores where rbg costs ~0.2 s.
 
   # --- Checkpoints, evaluation, logging ---
   config.checkpoint_every_steps = 1000

@@ -68,7 +68,7 @@ def _two_steps(config, model_config, batch, shape):
   mesh = partitioning.create_mesh(shape, devices)
   state, train_step = make_step(config, model_config, mesh)
   for _ in range(2):
-    state, metrics = train_step(state, batch, jax.random.key(3))
+    state, metrics = train_step(state, batch, jax.random.key(3, impl=config.dropout_rng_impl))
   return float(metrics['loss']), jax.device_get((state.params, state.opt_state))
 
 
