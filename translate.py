@@ -86,6 +86,9 @@ def run(f) -> None:
                                      f'{len(translations)}; give the reference of this input')
     score, signature = evaluation.bleu(translations, references, f.bleu_tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
+    if config.dataset.startswith('wmt14'):
+      score, label = evaluation.paper_bleu(translations, references)
+      print(f'BLEU = {score:.2f} ({label})', file=sys.stderr)
 
 
 def main(argv):
