@@ -14,7 +14,6 @@ Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
 
 import gzip
 import json
-import math
 import os
 import time
 

@@ -7,7 +7,6 @@ as the start symbol. Incremental decoding: `init_cache` then `decode_step` (see 
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
