@@ -2,8 +2,11 @@
 
 Both are pure functions of a `tokens_to_logits(ids [b·n, 1], cache) -> (logits [b·n, v], cache)`
 callback, so any model (or a hand-made table in tests) can drive them. Hypotheses of sentence i
-occupy rows i·n … i·n+n-1. Cache leaves whose leading dimension is b·n follow their hypotheses when
-beams are reordered; other leaves (the encoder's keys/values, [b, ...]) are shared and never copied.
+occupy rows i·n … i·n+n-1. When beams are reordered, `reorder_cache(cache, rows [b·n])` makes each
+hypothesis take its parent's cache; the default gathers every leaf whose leading dimension is b·n and
+leaves the others alone. The Transformer's cache is stacked over layers ([N, b·n, ...]), so
+translate_batch passes `Transformer.reorder_cache`; its encoder keys/values ([N, b, ...]) are shared
+by a sentence's beams and never copied.
 """
 
 import functools
@@ -21,20 +24,17 @@ def length_penalty(length, alpha: float):
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def _gather_beams(tree, indices, batch, beams):
-  """Reorders leaves with leading dim batch·beams by `indices` [batch, k] (beam ids within a sentence)."""
-  flat = (indices + jnp.arange(batch)[:, None] * beams).reshape(-1)  # [batch·k]
-
+def gather_leading_rows(tree, rows):
+  """Default `reorder_cache`: leaves with leading dimension len(rows) take rows `rows` [b·n]; others stay."""
   def gather(x):
-    if x.ndim and x.shape[0] == batch * beams:
-      return jnp.take(x, flat, axis=0)
+    if x.ndim and x.shape[0] == rows.shape[0]:
+      return jnp.take(x, rows, axis=0)
     return x
-
   return jax.tree_util.tree_map(gather, tree)
 
 
 def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
-                beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID):
+                beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID, reorder_cache=gather_leading_rows):
   """Beam search returning the best hypothesis of each sentence.
 
   Args:
@@ -44,6 +44,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50).
     max_decode_len: static upper bound of max_lengths (the size of the output and the cache).
     beam_size: n. alpha: length-penalty exponent (0 = none).
+    reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
   Returns:
     (tokens [b, max_decode_len] int32, ending with EOS unless cut at the length limit, 0-padded;
      scores [b]: the length-penalised log-probabilities).
@@ -91,7 +92,8 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     live_scores, live_pick = jax.lax.top_k(live_candidate_scores, n)  # [b, n]
     live_tokens = jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1)  # [b, n, L+1]
     live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
-    new_cache = _gather_beams(new_cache, live_beam, batch, n)
+    parent_rows = (live_beam + jnp.arange(batch)[:, None] * n).reshape(batch * n)  # [bn]
+    new_cache = reorder_cache(new_cache, parent_rows)
 
     # Finished: merge the candidates that end here (length-penalised) with those kept so far.
     ended_scores = jnp.where(ends, top_scores / length_penalty(new_length, alpha), NEG_INF)  # [b, 2n]
@@ -157,7 +159,8 @@ def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_
 
   if beam_size <= 1:
     return greedy_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len)
-  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len, beam_size, alpha)
+  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len, beam_size, alpha,
+                     reorder_cache=type(model).reorder_cache)
 
 
 @functools.lru_cache(maxsize=None)

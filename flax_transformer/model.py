@@ -32,6 +32,7 @@ class TransformerConfig:
   num_decoder_layers: int = 6
   dropout_rate: float = 0.1  # §5.4 P_drop, on sub-layer outputs and embedding + position sums.
   attention_dropout_rate: float = 0.0  # The paper has none; tensor2tensor later added it.
+  dropout_masks: str = 'hash'  # 'hash' (fused counter-based masks) or 'random' (jax.random.bernoulli).
   pre_norm: bool = False  # False: Post-LN, LayerNorm(x + Dropout(Sublayer(x))) as in §3.1.
   learned_positions: bool = False  # Table 3 row E.
   share_embeddings: bool = True  # §3.4: one matrix for source, target and pre-softmax.
@@ -54,6 +55,8 @@ class TransformerConfig:
     for field in ('dropout_rate', 'attention_dropout_rate'):
       if not 0.0 <= getattr(self, field) < 1.0:
         fail(field, 'must be in [0, 1)')
+    if self.dropout_masks not in ('hash', 'random'):
+      fail('dropout_masks', "unknown value; use 'hash' or 'random'")
     if self.dtype not in _DTYPES:
       fail('dtype', f'unknown value; use one of {sorted(_DTYPES)}')
     for field in ('pre_norm', 'learned_positions', 'share_embeddings'):
@@ -81,7 +84,7 @@ class SublayerConnection(nn.Module):
 
   def setup(self):
     self.norm = layers.LayerNorm(self.config.layer_norm_epsilon, self.config.compute_dtype)
-    self.dropout = nn.Dropout(self.config.dropout_rate)
+    self.dropout = layers.Dropout(self.config.dropout_rate, self.config.dropout_masks)
 
   def __call__(self, x, sublayer, deterministic):
     """x [b, l, e]; sublayer: [b, l, e] -> [b, l, e]."""
@@ -97,7 +100,7 @@ class EncoderLayer(nn.Module):
   def setup(self):
     c = self.config
     self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
-                                                    c.compute_dtype)
+                                                    c.compute_dtype, c.dropout_masks)
     self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
     self.attention_sublayer = SublayerConnection(c)
     self.feed_forward_sublayer = SublayerConnection(c)
@@ -116,9 +119,9 @@ class DecoderLayer(nn.Module):
   def setup(self):
     c = self.config
     self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
-                                                    c.compute_dtype)
+                                                    c.compute_dtype, c.dropout_masks)
     self.cross_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, False, c.attention_dropout_rate,
-                                                     c.compute_dtype)
+                                                     c.compute_dtype, c.dropout_masks)
     self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
     self.self_attention_sublayer = SublayerConnection(c)
     self.cross_attention_sublayer = SublayerConnection(c)
@@ -174,7 +177,7 @@ class Transformer(nn.Module):
     self.source_positions = layers.PositionalEncoding(c.max_len, c.d_model, c.learned_positions)
     self.target_positions = (self.source_positions if not c.learned_positions
                              else layers.PositionalEncoding(c.max_len, c.d_model, True))
-    self.embedding_dropout = nn.Dropout(c.dropout_rate)
+    self.embedding_dropout = layers.Dropout(c.dropout_rate, c.dropout_masks)
     # Each stack is one layer scanned N times over parameters stacked on a leading 'layers' axis:
     # XLA compiles one layer body instead of N copies (compile time grows superlinearly with N on CPU).
     scan = functools.partial(nn.scan, variable_axes={'params': 0, 'intermediates': 0},
@@ -238,6 +241,17 @@ class Transformer(nn.Module):
     batch = encoded.shape[0]
     _, layer_caches = self.decoder.init_cache(jnp.zeros(()), None, encoded, batch * beam_size, max_len, None)
     return {'step': jnp.zeros((), jnp.int32), 'layers': layer_caches}
+
+  @staticmethod
+  def reorder_cache(cache: dict, rows: jax.Array) -> dict:
+    """Beam reordering: hypothesis j takes the self-attention keys/values of row rows[j] ([b·n] int32).
+
+    Only the per-hypothesis self-attention cache [N, b·n, max_len, h, d] moves; the encoder's keys/values
+    [N, b, s, h, d] are per sentence and stay where they are.
+    """
+    layers_cache = dict(cache['layers'])
+    layers_cache['self'] = jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=1), layers_cache['self'])
+    return {**cache, 'layers': layers_cache}
 
   def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""

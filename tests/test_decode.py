@@ -1,5 +1,6 @@
 """Cached decoding equals full recomputation; beam search against brute force; averaging."""
 
+import dataclasses
 import itertools
 
 import flax.linen as nn
@@ -95,6 +96,45 @@ def test_beam_one_equals_greedy_and_batch_order_is_kept(small_model_config, np_r
   np.testing.assert_array_equal(np.asarray(beam_4), np.asarray(reversed_4)[::-1])
   lengths = (np.asarray(beam_4) > 0).sum(1)
   assert np.all(lengths <= (batch['inputs'] > 0).sum(1) + 5)
+
+
+def _uncached_beam_search(model, params, inputs, beam_size, alpha, max_extra, length):
+  """Reference: beam search whose every step re-runs the decoder over the hypothesis's whole prefix."""
+  encoded = model.apply({'params': params}, inputs, method=model.encode)
+  encoded_n, inputs_n = jnp.repeat(encoded, beam_size, axis=0), jnp.repeat(inputs, beam_size, axis=0)
+
+  def step(ids, cache):
+    prefix = jax.lax.dynamic_update_slice(cache['prefix'], ids, (0, cache['step']))  # [bn, L]
+    logits = model.apply({'params': params}, encoded_n, inputs_n, jnp.roll(prefix, -1, axis=1),
+                         method=model.decode)  # decoder input == prefix
+    return jnp.take(logits, cache['step'], axis=1), {'prefix': prefix, 'step': cache['step'] + 1}
+
+  cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, length), jnp.int32), 'step': jnp.array(0)}
+  max_lengths = jnp.sum(inputs > 0, axis=1) + max_extra
+  return decode.beam_search(step, cache, inputs.shape[0], max_lengths, length, beam_size, alpha)
+
+
+def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
+  """Reordered beams must carry their parents' self-attention keys/values (the cache is layer-stacked)."""
+  # Few tokens and untied output weights: random weights then give varied outputs whose beams reorder.
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  batch = random_batch(np.random.default_rng(0), 6, 7, 5, config.vocab_size)
+  model = Transformer(config)
+  params = nn.meta.unbox(model.init(jax.random.key(4), batch['inputs'], batch['targets'])['params'])
+  inputs = jnp.asarray(batch['inputs'])
+  cached, cached_scores = decode.jitted_translate(model, 4, 0.6, 6, 16)(params, inputs)
+  expected, expected_scores = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 4, 0.6, 6, 16))(params, inputs)
+  np.testing.assert_array_equal(np.asarray(cached), np.asarray(expected))
+  np.testing.assert_allclose(np.asarray(cached_scores), np.asarray(expected_scores), rtol=1e-4, atol=1e-5)
+
+  # The comparison is sensitive: a search that never moves the cache finds other translations.
+  def stale(params, inputs):
+    encoded = model.apply({'params': params}, inputs, method=model.encode)
+    cache = model.apply({'params': params}, encoded, 4, 16, method=model.init_cache)
+    step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
+    return decode.beam_search(step, cache, inputs.shape[0], jnp.sum(inputs > 0, 1) + 6, 16, 4, 0.6,
+                              reorder_cache=lambda c, rows: c)[0]
+  assert not np.array_equal(np.asarray(jax.jit(stale)(params, inputs)), np.asarray(expected))
 
 
 def test_averaging_checkpoints(tmp_path):
