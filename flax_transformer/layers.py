@@ -66,13 +66,15 @@ class Embeddings(nn.Module):
 class OutputProjection(nn.Module):
   """The pre-softmax linear map when embeddings are not shared (no bias, as in the paper)."""
   vocab_size: int
+  d_model: int
   dtype: Dtype = jnp.float32
 
-  @nn.compact
+  def setup(self):
+    self.kernel = self.param('kernel', nn.with_logical_partitioning(xavier_uniform, ('embed', 'vocab')),
+                             (self.d_model, self.vocab_size), jnp.float32)
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.param('kernel', nn.with_logical_partitioning(xavier_uniform, ('embed', 'vocab')),
-                        (x.shape[-1], self.vocab_size), jnp.float32)
-    return jnp.einsum('ble,ev->blv', x.astype(jnp.float32), kernel)  # [b, l, v], float32 as in Embeddings.attend
+    return jnp.einsum('ble,ev->blv', x.astype(jnp.float32), self.kernel)  # [b, l, v], float32 as in Embeddings.attend
 
 
 class PositionalEncoding(nn.Module):

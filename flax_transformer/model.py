@@ -39,13 +39,14 @@ class TransformerConfig:
   max_len: int = 1024  # Rows of the position table: longest source or output handled.
   dtype: str = 'float32'  # Compute dtype; parameters stay float32.
   layer_norm_epsilon: float = 1e-6
+  scan_unroll: int = 1  # Layers per scan iteration: 1 compiles fastest; N (all) runs fastest on CPU.
 
   def __post_init__(self):
     def fail(field, why):
       raise ConfigError(f'config.model.{field}={getattr(self, field)!r}: {why}')
     if self.vocab_size < 4:
       fail('vocab_size', 'needs at least 4 ids (pad, eos, unk and one more)')
-    for field in ('d_model', 'num_heads', 'd_ff', 'max_len', 'num_encoder_layers', 'num_decoder_layers'):
+    for field in ('d_model', 'num_heads', 'd_ff', 'max_len', 'num_encoder_layers', 'num_decoder_layers', 'scan_unroll'):
       if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
         fail(field, 'must be a positive integer')
     if self.d_model % self.num_heads:
@@ -173,7 +174,7 @@ class Transformer(nn.Module):
     else:
       self.source_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype)
       self.target_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype)
-      self.output_projection = layers.OutputProjection(c.vocab_size, dtype)
+      self.output_projection = layers.OutputProjection(c.vocab_size, c.d_model, dtype)
     self.source_positions = layers.PositionalEncoding(c.max_len, c.d_model, c.learned_positions)
     self.target_positions = (self.source_positions if not c.learned_positions
                              else layers.PositionalEncoding(c.max_len, c.d_model, True))
@@ -182,7 +183,7 @@ class Transformer(nn.Module):
     # XLA compiles one layer body instead of N copies (compile time grows superlinearly with N on CPU).
     scan = functools.partial(nn.scan, variable_axes={'params': 0, 'intermediates': 0},
                              split_rngs={'params': True, 'dropout': True},
-                             metadata_params={nn.PARTITION_NAME: 'layers'})
+                             metadata_params={nn.PARTITION_NAME: 'layers'}, unroll=c.scan_unroll)
     self.encoder = scan(EncoderLayer, in_axes=(nn.broadcast, nn.broadcast),
                         length=c.num_encoder_layers)(c, name='encoder')
     self.decoder = scan(DecoderLayer, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
@@ -197,15 +198,28 @@ class Transformer(nn.Module):
     x = self.embedding_dropout(x, deterministic=deterministic)
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
+  def _features(self, y):
+    """Decoder stack output [b, t, e] -> what the pre-softmax projection sees (Pre-LN: normalised)."""
+    return self.decoder_norm(y) if self.config.pre_norm else y
+
   def _logits(self, y):
-    """Decoder output [b, t, e] -> logits [b, t, v]."""
-    if self.config.pre_norm:
-      y = self.decoder_norm(y)
+    """Decoder stack output [b, t, e] -> logits [b, t, v]."""
+    y = self._features(y)
     if self.config.share_embeddings:
       logits = self.target_embedding.attend(y)
     else:
       logits = self.output_projection(y)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+  def output_weight(self) -> jax.Array:
+    """The pre-softmax projection as a [v, e] matrix: logits = features @ output_weight()ᵀ."""
+    if self.config.share_embeddings:
+      return self.target_embedding.embedding
+    return self.output_projection.kernel.T
+
+  def features(self, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+    """Like __call__ but stops before the pre-softmax projection: [b, t, e] (for a fused loss)."""
+    return self._features(self._decoder_stack(self.encode(inputs, train), inputs, targets, train))
 
   def encode(self, inputs: jax.Array, train: bool = False) -> jax.Array:
     """inputs [b, s] int32 (0 = padding) -> encoder output [b, s, e]."""
@@ -216,14 +230,18 @@ class Transformer(nn.Module):
       x = self.encoder_norm(x)
     return x
 
-  def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
-    """Teacher-forced decoder: encoded [b, s, e], inputs [b, s], targets [b, t] -> logits [b, t, v]."""
+  def _decoder_stack(self, encoded, inputs, targets, train):
+    """Teacher-forced decoder stack: encoded [b, s, e], inputs [b, s], targets [b, t] -> [b, t, e]."""
     decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]  # [b, t] shifted right
     self_bias = layers.causal_bias(targets.shape[1])  # [1, 1, t, t]
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, not train)
     y, _ = self.decoder(y, None, encoded, self_bias, memory_bias, not train)
-    return self._logits(y)
+    return y
+
+  def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+    """Teacher-forced decoder: encoded [b, s, e], inputs [b, s], targets [b, t] -> logits [b, t, v]."""
+    return self._logits(self._decoder_stack(encoded, inputs, targets, train))
 
   def __call__(self, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
     """inputs [b, s], targets [b, t] int32 (0 = padding) -> logits [b, t, v]; position t predicts targets[:, t]."""

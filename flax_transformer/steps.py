@@ -9,21 +9,29 @@ from flax_transformer.model import Transformer, TransformerConfig
 
 
 def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerConfig, label_smoothing: float,
-               gradient_accumulation_steps: int = 1):
+               gradient_accumulation_steps: int = 1, fused_output_loss: bool = True):
   """One optimizer update on `batch` ({'inputs': [B, s], 'targets': [B, t]} int32).
 
   With gradient_accumulation_steps = k the batch is split into k micro-batches of B/k rows whose
   gradients are summed (lax.scan) before one update normalised by all their target tokens.
   `rng` is the run's dropout key; it is folded with the step so every step draws fresh masks.
+  fused_output_loss: the pre-softmax projection and the loss share one hand-written gradient
+  (losses.projected_loss_and_metrics); False differentiates the logits path with autodiff.
   Returns (new state, metrics {'loss', 'nll', 'accuracy', 'tokens', 'grad_norm', 'learning_rate'}).
   """
   model = Transformer(model_config)
   step_rng = jax.random.fold_in(rng, state.step)
 
   def loss_fn(params, micro_batch, micro_rng):
-    logits = model.apply({'params': params}, micro_batch['inputs'], micro_batch['targets'], train=True,
-                         rngs={'dropout': micro_rng})
-    sums = losses.loss_and_metrics(logits, micro_batch['targets'], label_smoothing)
+    inputs, targets = micro_batch['inputs'], micro_batch['targets']
+    if fused_output_loss:
+      hidden = model.apply({'params': params}, inputs, targets, train=True, rngs={'dropout': micro_rng},
+                           method=model.features)  # [b, t, e]
+      weight = model.apply({'params': params}, method=model.output_weight)  # [v, e]
+      sums = losses.projected_loss_and_metrics(hidden, weight, targets, label_smoothing)
+    else:
+      logits = model.apply({'params': params}, inputs, targets, train=True, rngs={'dropout': micro_rng})
+      sums = losses.loss_and_metrics(logits, targets, label_smoothing)
     return sums['loss'], sums
 
   grad_fn = jax.grad(loss_fn, has_aux=True)

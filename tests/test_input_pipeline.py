@@ -170,3 +170,18 @@ def test_tfds_errors_say_how_to_fix(tiny_config, tmp_path):
   tiny_config.data_dir = str(tmp_path)
   with pytest.raises(input_pipeline.DataError, match='tfds build wmt14_translate/de-en'):
     next(input_pipeline.python_pairs(tiny_config))
+
+
+def test_bucket_boundaries_minimise_padding_and_end_with_a_catch_all():
+  rng = np.random.default_rng(0)
+  lengths = np.concatenate([rng.integers(5, 12, 500), rng.integers(20, 26, 300), [40]])
+  boundaries = input_pipeline.bucket_boundaries(lengths, 3, 100)
+  assert boundaries[-2:] == [40, 100]  # the DP ends at the longest sampled pair; 100 catches rarer ones
+
+  def padding(bounds):
+    padded = np.asarray(bounds)[np.searchsorted(bounds, lengths)]
+    return int((padded - lengths).sum())
+  # Exhaustive check of the DP: no other 3 boundaries ending at 40 pad less.
+  best = min(padding([a, b, 40]) for a in range(1, 40) for b in range(a + 1, 40))
+  assert padding(boundaries[:-1]) == best
+  assert input_pipeline.bucket_boundaries(np.array([7, 100, 120]), 2, 100)[-1] == 100  # capped at max_length

@@ -1,8 +1,10 @@
 """The loss against a hand computation and against optax's one-hot cross-entropy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from flax_transformer import losses
 
@@ -54,3 +56,31 @@ def test_paper_bleu_splits_compounds():
   partial, _ = evaluation.paper_bleu(['Das Rhein-Gebiet ist sehr groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
   sacre, _ = evaluation.bleu(['Das Rhein-Gebiet ist sehr groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
   assert 0 < partial < 100 and partial != sacre  # the split pieces count as matches
+
+
+@pytest.mark.parametrize('eps', [0.0, 0.1])
+def test_fused_projection_loss_matches_autodiff(np_rng, eps):
+  """The hand-written VJP of projection + loss gives autodiff's values and gradients (loss and nll)."""
+  hidden = jnp.asarray(np_rng.normal(size=(3, 5, 8)), jnp.float32)
+  weight = jnp.asarray(np_rng.normal(size=(13, 8)) * 0.5, jnp.float32)
+  targets = np_rng.integers(1, 13, size=(3, 5)).astype(np.int32)
+  targets[1, 2:] = 0
+  targets = jnp.asarray(targets)
+
+  def unfused(h, w):
+    return losses.loss_and_metrics(jnp.einsum('bte,ve->btv', h, w), targets, eps)
+
+  def fused(h, w):
+    return losses.projected_loss_and_metrics(h, w, targets, eps)
+
+  expected, got = unfused(hidden, weight), jax.jit(fused)(hidden, weight)
+  for name in ('loss', 'nll', 'correct', 'tokens'):
+    np.testing.assert_allclose(float(got[name]), float(expected[name]), rtol=1e-5, err_msg=name)
+  for name in ('loss', 'nll'):
+    for argnum in (0, 1):
+      want = jax.grad(lambda h, w: unfused(h, w)[name], argnum)(hidden, weight)
+      have = jax.jit(jax.grad(lambda h, w: fused(h, w)[name], argnum))(hidden, weight)
+      np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-4, atol=1e-6, err_msg=f'{name} {argnum}')
+  # A mixed cotangent (as the loss and a metric both reach the objective) adds up.
+  mixed = lambda f: jax.grad(lambda h: f(h, weight)['loss'] + 0.5 * f(h, weight)['nll'])(hidden)
+  np.testing.assert_allclose(np.asarray(mixed(fused)), np.asarray(mixed(unfused)), rtol=1e-4, atol=1e-6)

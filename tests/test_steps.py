@@ -56,6 +56,26 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize('share_embeddings,pre_norm', [(True, False), (False, True)])
+def test_fused_output_loss_step_equals_autodiff_step(tiny_config, np_rng, share_embeddings, pre_norm):
+  tiny_config.model.share_embeddings, tiny_config.model.pre_norm = share_embeddings, pre_norm
+  tiny_config.model.dropout_rate = 0.1  # same masks on both paths
+  model_config = TransformerConfig.from_config(tiny_config)
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  batch = random_batch(np_rng, 8, 7, 6, model_config.vocab_size)
+  results = []
+  for fused in (True, False):
+    state, shardings = partitioning.create_train_state(tiny_config, model_config, mesh, jax.random.key(0))
+    step = functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1,
+                             fused_output_loss=fused)
+    results.append(partitioning.jit_train_step(step, mesh, shardings)(state, batch, jax.random.key(1)))
+  (fused_state, fused_metrics), (plain_state, plain_metrics) = results
+  for name in ('loss', 'nll', 'accuracy', 'grad_norm'):
+    np.testing.assert_allclose(float(fused_metrics[name]), float(plain_metrics[name]), rtol=1e-5, err_msg=name)
+  for a, b in zip(jax.tree_util.tree_leaves(fused_state.params), jax.tree_util.tree_leaves(plain_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
 def _sharded_setup(tiny_config, small_model_config, np_rng):
   tiny_config.model = tiny_config.model.__class__(small_model_config.__dict__)
   tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time
