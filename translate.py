@@ -24,8 +24,9 @@ flags.DEFINE_string('reference', None, 'Reference translations (plain or .gz): p
 flags.DEFINE_integer('beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
 flags.DEFINE_float('alpha', None, 'Length-penalty exponent (default: the config\'s).')
 flags.DEFINE_integer('batch_tokens', None, 'Source tokens per decoding batch (default: config eval_tokens_per_batch).')
-flags.DEFINE_enum('bleu_tokenize', '13a', ['13a', 'none', 'intl', 'zh', 'char'],
-                  'sacreBLEU tokenizer: 13a for detokenized text, none for pre-tokenized references.')
+flags.DEFINE_enum('bleu_tokenize', None, ['13a', 'none', 'intl', 'zh', 'char'],
+                  'sacreBLEU tokenizer (default: the config\'s bleu_tokenize): 13a for detokenized text, '
+                  'none for pre-tokenized references.')
 flags.DEFINE_bool('lowercase', False, 'Case-insensitive BLEU.')
 flags.mark_flags_as_required(['workdir'])
 
@@ -84,7 +85,8 @@ def run(f) -> None:
     if len(references) != len(translations):
       raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input has '
                                      f'{len(translations)}; give the reference of this input')
-    score, signature = evaluation.bleu(translations, references, f.bleu_tokenize, f.lowercase)
+    tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')
+    score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
     if config.dataset.startswith('wmt14'):
       score, label = evaluation.paper_bleu(translations, references)

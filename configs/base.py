@@ -67,6 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 10  # §6.1 averages the last 5 (base) checkpoints; keep at least that.
   config.eval_every_steps = 1000
   config.log_every_steps = 100
+  config.bleu_tokenize = '13a'  # sacreBLEU tokenizer for eval and translate.py --reference ('none': pre-tokenized).
   config.num_eval_bleu_sentences = 256  # Validation sentences translated for BLEU at each eval (0: none).
 
   # --- Decoding (§6.1) ---

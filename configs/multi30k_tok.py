@@ -5,4 +5,5 @@ from configs import multi30k
 
 def get_config():
   config = multi30k.get_config(data_dir=multi30k.MULTI30K_DIR + '/tok', suffix='lc.norm.tok.{lang}.gz')
+  config.bleu_tokenize = 'none'  # The references are already tokenized: tokenized, lowercased BLEU.
   return config

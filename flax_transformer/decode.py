@@ -74,13 +74,20 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     step = state['step']
     ids = state['live_tokens'][:, :, step].reshape(batch * n, 1)  # [bn, 1]
     logits, new_cache = tokens_to_logits(ids, state['cache'])
+    logits = logits.astype(jnp.float32)  # [bn, v]
     vocab = logits.shape[-1]
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(batch, n, vocab)  # [b, n, v]
-    log_probs = log_probs.at[:, :, PAD_ID].set(NEG_INF)  # padding is never produced
-    candidates = (state['live_scores'][:, :, None] + log_probs).reshape(batch, n * vocab)  # [b, n·v]
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [bn, 1]
+    logits = logits.at[:, PAD_ID].set(NEG_INF)  # padding is never produced
+    # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps
+    # a row's order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array).
+    per_row = min(2 * n, vocab)
+    row_logits, row_tokens = jax.lax.top_k(logits, per_row)  # [bn, k]
+    row_log_probs = (row_logits - log_normalizer).reshape(batch, n, per_row)  # [b, n, k]
+    candidates = (state['live_scores'][:, :, None] + row_log_probs).reshape(batch, n * per_row)  # [b, n·k]
     # 2n candidates always include n that do not end here.
     top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [b, 2n]
-    top_beam, top_token = top_index // vocab, top_index % vocab  # [b, 2n]
+    top_beam = top_index // per_row  # [b, 2n]
+    top_token = jnp.take_along_axis(row_tokens.reshape(batch, n * per_row), top_index, axis=1)  # [b, 2n]
     top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
     top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
     new_length = step + 1  # tokens produced, EOS included
@@ -126,10 +133,13 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
   def body(state):
     step = state['step']
     logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).at[:, PAD_ID].set(NEG_INF)
-    token = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)  # [b]
+    logits = logits.astype(jnp.float32)
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # [b]
+    logits = logits.at[:, PAD_ID].set(NEG_INF)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]: log-softmax keeps the row's order
+    log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
     token = jnp.where(state['ended'], PAD_ID, token)
-    score = state['scores'] + jnp.where(state['ended'], 0.0, jnp.take_along_axis(log_probs, token[:, None], 1)[:, 0])
+    score = state['scores'] + jnp.where(state['ended'], 0.0, log_prob)
     ended = state['ended'] | (token == eos_id) | (step + 1 >= max_lengths)
     return {'step': step + 1, 'tokens': state['tokens'].at[:, step + 1].set(token), 'ended': ended,
             'scores': score, 'cache': cache}

@@ -183,7 +183,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                                                   beam_size=config.beam_size, alpha=config.length_penalty_alpha,
                                                   max_extra_length=config.max_extra_length,
                                                   batch_tokens=config.eval_tokens_per_batch)
-      results['bleu'], _ = evaluation.bleu(hypotheses, eval_references)
+      results['bleu'], _ = evaluation.bleu(hypotheses, eval_references, config.get('bleu_tokenize', '13a'))
     log_scalars(step, results, 'eval')
     if is_chief:
       bleu = f' bleu {results["bleu"]:.2f}' if 'bleu' in results else ''
