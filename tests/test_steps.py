@@ -109,5 +109,12 @@ def test_sharded_step_equals_single_device(tiny_config, small_model_config, mesh
   loss_1, trees_1 = single_device_result
   print(f'mesh {mesh_shape}: loss {loss_n:.6f} vs 1 device {loss_1:.6f}')
   np.testing.assert_allclose(loss_n, loss_1, rtol=1e-5)
-  for a, b in zip(jax.tree_util.tree_leaves(trees_1), jax.tree_util.tree_leaves(trees_n)):
+  params_1, opt_1 = trees_1
+  params_n, opt_n = trees_n
+  for a, b in zip(jax.tree_util.tree_leaves(opt_1), jax.tree_util.tree_leaves(opt_n)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+  # Adam divides by sqrt(v) + 1e-9: for a gradient element near zero, the round-off of a different
+  # reduction order (per mesh) becomes a visible fraction of that element's update. Seen: 1 of 1024
+  # entries of one kernel off by 3e-5 after 2 steps, the same entry on every mesh.
+  for a, b in zip(jax.tree_util.tree_leaves(params_1), jax.tree_util.tree_leaves(params_n)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-5)
