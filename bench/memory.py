@@ -42,7 +42,7 @@ def per_device_bytes(config, mesh_shape):
 
 
 n = args.devices
-print(f'| model | parallelism (data, fsdp, model) | params + Adam, all | per device |\n|---|---|---|---|')
+print('| model | parallelism (data, fsdp, model) | params + Adam, all | per device |\n|---|---|---|---|')
 for name, config in (('base', base.get_config()), ('big', big.get_config())):
   for label, shape in (('data parallel', (n, 1, 1)), ('FSDP', (1, n, 1)), ('tensor parallel', (1, 1, n)),
                        ('FSDP × TP', (1, n // 2, 2))):
