@@ -262,17 +262,18 @@ class MultiHeadAttention(nn.Module):
   # --- Incremental decoding -------------------------------------------------------------
 
   def init_cache(self, batch_size: int, max_len: int, memory: jax.Array | None = None) -> dict:
-    """This layer's decoding cache.
+    """This layer's decoding cache, laid out as the per-step products read it (no transposes per step).
 
-    Self-attention: zero keys/values, each [batch_size, max_len, h, d], filled one step at a time.
-    Encoder-decoder attention: the projected `memory` [b, s, e] keys/values, each [b, s, h, d],
-    computed once per sentence and never reordered by beam search.
+    Self-attention: zero keys [batch_size, h, d, max_len] and values [batch_size, h, max_len, d],
+    filled one position per step. Encoder-decoder attention: the projected `memory` [b, s, e] as keys
+    [b, h, d, s] and values [b, h, s, d], computed once per sentence and never reordered by beam search.
     """
+    h, d = self.num_heads, self.d_model // self.num_heads
     if self.self_attention:
-      shape = (batch_size, max_len, self.num_heads, self.d_model // self.num_heads)
-      return {'key': jnp.zeros(shape, self.dtype), 'value': jnp.zeros(shape, self.dtype)}
-    key, value = self.project_memory(memory)
-    return {'key': key, 'value': value}
+      return {'key': jnp.zeros((batch_size, h, d, max_len), self.dtype),
+              'value': jnp.zeros((batch_size, h, max_len, d), self.dtype)}
+    key, value = self.project_memory(memory)  # each [b, s, h, d]
+    return {'key': jnp.transpose(key, (0, 2, 3, 1)), 'value': jnp.transpose(value, (0, 2, 1, 3))}
 
   def decode_step(self, x, cache, step, memory_bias=None):
     """One decoding step for every hypothesis.
@@ -285,21 +286,30 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ([b·n, 1, e], the updated cache).
     """
+    depth = jnp.sqrt(self.d_model // self.num_heads).astype(self.dtype)  # §3.2.1 scaling, as in training
     if self.self_attention:
-      qkv = self._project(x, self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'bqe,ejhd->bqjhd')  # [bn, 1, 3, h, d]
-      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, :, 1], step, axis=1),
-               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], qkv[:, :, 2], step, axis=1)}
-      max_len = cache['key'].shape[1]
-      bias = jnp.where(jnp.arange(max_len) <= step, 0.0, NEG_INF)[None, None, None, :]  # [1, 1, 1, max_len]
-      return self._attend(qkv[:, :, 0], cache['key'], cache['value'], bias, True), cache
+      qkv = self._project(x[:, 0], self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'be,ejhd->bjhd')  # [bn, 3, h, d]
+      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, 1, :, :, None], step, axis=3),
+               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], qkv[:, 2, :, None, :], step, axis=2)}
+      max_len = cache['value'].shape[2]
+      bias = jnp.where(jnp.arange(max_len) <= step, 0.0, NEG_INF)  # [max_len]: positions not yet written
+      # Batched matrix-vector products in the cache's own layout: nothing is transposed per step.
+      logits = jnp.einsum('bhd,bhdk->bhk', qkv[:, 0] / depth, cache['key']).astype(jnp.float32)  # [bn, h, k]
+      weights = jax.nn.softmax(logits + bias, axis=-1)  # [bn, h, k]
+      self.sow('intermediates', 'attention_weights', weights[:, :, None, :])  # [bn, h, 1, k]
+      context = jnp.einsum('bhk,bhkd->bhd', weights.astype(self.dtype), cache['value'])  # [bn, h, d]
+      return self._output(context[:, None]), cache
     # Encoder-decoder attention: the n hypotheses of a sentence share its keys/values.
-    key, value = cache['key'], cache['value']  # [b, s, h, d]
+    key, value = cache['key'], cache['value']  # [b, h, d, s], [b, h, s, d]
     batch = key.shape[0]
-    query = self._project(x, self.q_kernel, self.q_bias, 'bqe,ehd->bqhd')  # [bn, 1, h, d]
-    query = query.reshape(batch, -1, *query.shape[2:])  # [b, n, h, d]: hypotheses act as queries
-    context, weights = scaled_dot_product_attention(query, key, value, memory_bias)  # [b, n, h, d]
+    query = self._project(x[:, 0], self.q_kernel, self.q_bias, 'be,ehd->bhd')  # [bn, h, d]
+    query = query.reshape(batch, -1, *query.shape[1:]) / depth  # [b, n, h, d]: hypotheses act as queries
+    logits = jnp.einsum('bnhd,bhds->bhns', query, key).astype(jnp.float32)  # [b, h, n, s]
+    weights = jax.nn.softmax(logits + memory_bias, axis=-1)  # [b, h, n, s]
     self.sow('intermediates', 'attention_weights',
              jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, s]
+    # Output [b, h, n, d] (batch axes first): XLA:CPU's product is ~10x slower writing [b, n, h, d].
+    context = jnp.swapaxes(jnp.einsum('bhns,bhsd->bhnd', weights.astype(self.dtype), value), 1, 2)  # [b, n, h, d]
     context = context.reshape(x.shape[0], 1, *context.shape[2:])  # [bn, 1, h, d]
     return self._output(context), cache
 

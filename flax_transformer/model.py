@@ -253,28 +253,42 @@ class Transformer(nn.Module):
     """The decoding cache for `max_len` steps of `beam_size` hypotheses per sentence.
 
     encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
-    Returns {'step': int32 scalar, 'layers': {'self': {'key', 'value'} [N, b·n, max_len, h, d],
-    'cross': {'key', 'value'} [N, b, s, h, d]}}, stacked over the N decoder layers.
+    Returns {'step': int32 scalar, 'layers': one dict per decoder layer, each {'self': {'key' [b·n, h, d,
+    max_len], 'value' [b·n, h, max_len, d]}, 'cross': {'key' [b, h, d, s], 'value' [b, h, s, d]}}}.
+    Separate per-layer buffers (not one stacked array) let each step update them in place.
     """
     batch = encoded.shape[0]
-    _, layer_caches = self.decoder.init_cache(jnp.zeros(()), None, encoded, batch * beam_size, max_len, None)
+    _, stacked = self.decoder.init_cache(jnp.zeros(()), None, encoded, batch * beam_size, max_len, None)
+    layer_caches = tuple(jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
+                         for i in range(self.config.num_decoder_layers))
     return {'step': jnp.zeros((), jnp.int32), 'layers': layer_caches}
 
   @staticmethod
   def reorder_cache(cache: dict, rows: jax.Array) -> dict:
     """Beam reordering: hypothesis j takes the self-attention keys/values of row rows[j] ([b·n] int32).
 
-    Only the per-hypothesis self-attention cache [N, b·n, max_len, h, d] moves; the encoder's keys/values
-    [N, b, s, h, d] are per sentence and stay where they are.
+    Only the per-hypothesis self-attention caches [b·n, ...] move; the encoder's keys/values [b, ...]
+    are per sentence and stay where they are.
     """
-    layers_cache = dict(cache['layers'])
-    layers_cache['self'] = jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=1), layers_cache['self'])
-    return {**cache, 'layers': layers_cache}
+    layer_caches = tuple({**layer, 'self': jax.tree_util.tree_map(
+        lambda x: x.at[rows].get(mode='promise_in_bounds'), layer['self'])}
+                         for layer in cache['layers'])
+    return {**cache, 'layers': layer_caches}
 
   def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
+    """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache).
+
+    The layers run as a Python loop over slices of the stacked parameters rather than through the
+    training scan: inside the decoding loop a scan would copy every layer's cache in and out per step.
+    """
     step = cache['step']
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
-    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, memory_bias, None, None)
-    return self._logits(y)[:, 0], {'step': step + 1, 'layers': layer_caches}
+    stacked = nn.meta.unbox(self.decoder.variables['params'])  # leaves [N, ...]
+    layer = DecoderLayer(self.config, parent=None)
+    new_caches = []
+    for i, layer_cache in enumerate(cache['layers']):
+      params = jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
+      y, layer_cache = layer.apply({'params': params}, y, layer_cache, step, memory_bias, method=layer.decode_step)
+      new_caches.append(layer_cache)
+    return self._logits(y)[:, 0], {'step': step + 1, 'layers': tuple(new_caches)}

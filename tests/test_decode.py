@@ -137,6 +137,19 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
   assert not np.array_equal(np.asarray(jax.jit(stale)(params, inputs)), np.asarray(expected))
 
 
+@pytest.mark.parametrize('ties', [False, True])
+def test_blocked_top_k_equals_lax_top_k(ties):
+  """Beam search's two-stage top-k returns exactly lax.top_k's values and indices, ties included."""
+  rng = np.random.default_rng(0)
+  shape = (16, 128 * 40)  # 40 blocks of 128: the blocked path (not the fallback) runs
+  # Integers below 1000: the 8 largest of 5120 often tie, within and across blocks.
+  x = rng.integers(0, 1000, shape).astype(np.float32) if ties else rng.normal(size=shape).astype(np.float32)
+  values, indices = jax.jit(decode.top_k, static_argnums=1)(x, 8)
+  expected_values, expected_indices = jax.lax.top_k(x, 8)
+  np.testing.assert_array_equal(values, expected_values)
+  np.testing.assert_array_equal(indices, expected_indices)
+
+
 def test_averaging_checkpoints(tmp_path):
   a = {'w': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.ones(3, np.float32)}
   b = {'w': np.full((2, 3), 4.0, np.float32), 'b': np.zeros(3, np.float32)}
