@@ -34,15 +34,15 @@ def no_eos(tokens_to_logits):
   return wrapped
 
 
-def cached(params, inputs, model, beam_size):
-  """Our decoder: KV cache, encoder keys/values once per sentence."""
+def cached(params, inputs, model, beam_size, output_length=OUTPUT_LENGTH):
+  """Our decoder: KV cache, encoder keys/values once per sentence; exactly `output_length` tokens."""
   encoded = model.apply({'params': params}, inputs, method=model.encode)
-  cache = model.apply({'params': params}, encoded, beam_size, OUTPUT_LENGTH, method=model.init_cache)
+  cache = model.apply({'params': params}, encoded, beam_size, output_length, method=model.init_cache)
   step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
-  lengths = jnp.full((inputs.shape[0],), OUTPUT_LENGTH)
+  lengths = jnp.full((inputs.shape[0],), output_length)
   if beam_size == 1:
-    return decode.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH)[0]
-  return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size,
+    return decode.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, output_length)[0]
+  return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, output_length, beam_size,
                             reorder_cache=type(model).reorder_cache)[0]
 
 

@@ -1,0 +1,153 @@
+"""Accelerator benchmark (run by bench/gpu.sh on a GPU): the paper's base and big train steps in float32 and
+bfloat16, as a fraction of the same run's bf16 matmul peak, and beam-4 decoding on newstest-like lengths.
+
+python bench/accelerator.py [--shapes base,big] [--dtypes float32,bfloat16] [--tokens 16384] [--steps 10]
+python bench/accelerator.py --smoke   (tiny shapes and sizes: checks the script itself on a CPU in a minute)
+
+Train steps: batches of `--tokens` target tokens (and as many source tokens) in sentences of 64 tokens, all real,
+dropout 0.1, Adam, label smoothing 0.1; median of `--steps` steps after two warm-up steps. Model FLOPs as in
+bench/train_step.py. Decoding: beam 4, 128 random sources of 32 tokens, exactly 64 generated tokens each (EOS
+disabled), random weights. Prints markdown tables; the last line is one JSON object.
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SHAPES = {  # Table 3 of the paper, with a 32k shared vocabulary.
+    'base': dict(vocab=32768, d_model=512, layers=6, heads=8, d_ff=2048),
+    'big': dict(vocab=32768, d_model=1024, layers=6, heads=16, d_ff=4096),
+    'smoke': dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128),
+}
+SENTENCE_LENGTH = 64
+
+
+def matmul_peak(jax, jnp, dtype, n: int) -> float:
+  """GFLOP/s of one large jitted n×n matrix product in `dtype`, median of 5."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, a).block_until_ready()
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    f(a, a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def peak_memory_gb(jax) -> float | None:
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None
+
+
+def time_train_step(jax, shape: dict, dtype: str, tokens: int, steps: int) -> float:
+  """Median seconds per train step."""
+  import numpy as np
+  from configs import base
+  from flax_transformer import partitioning, steps as train_steps
+  from flax_transformer.model import TransformerConfig
+  config = base.get_config()
+  m = config.model
+  m.vocab_size, m.d_model, m.num_heads, m.d_ff = shape['vocab'], shape['d_model'], shape['heads'], shape['d_ff']
+  m.num_encoder_layers = m.num_decoder_layers = shape['layers']
+  m.dropout_rate, m.max_len, m.dtype = 0.1, 2 * SENTENCE_LENGTH, dtype
+  model_config = TransformerConfig.from_config(config)
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  step = partitioning.jit_train_step(functools.partial(train_steps.train_step, model_config=model_config,
+                                                       label_smoothing=0.1), mesh, shardings)
+  rng = np.random.default_rng(0)
+  batch = {k: rng.integers(3, shape['vocab'], (tokens // SENTENCE_LENGTH, SENTENCE_LENGTH)).astype(np.int32)
+           for k in ('inputs', 'targets')}
+  key = jax.random.key(1)
+  times = []
+  for i in range(steps + 2):
+    start = time.perf_counter()
+    state, metrics = step(state, batch, key)
+    jax.block_until_ready(metrics)
+    if i >= 2:
+      times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def time_beam_search(jax, shape: dict, dtype: str, batch: int, source_length: int, output_length: int) -> float:
+  """Median seconds to decode `batch` sentences with beam 4, exactly `output_length` tokens each."""
+  import flax.linen as nn
+  import numpy as np
+  from decode import cached  # bench/decode.py
+  from flax_transformer.model import Transformer, TransformerConfig
+  config = TransformerConfig(vocab_size=shape['vocab'], d_model=shape['d_model'], num_heads=shape['heads'],
+                             d_ff=shape['d_ff'], num_encoder_layers=shape['layers'],
+                             num_decoder_layers=shape['layers'], max_len=256, dtype=dtype)
+  model = Transformer(config)
+  inputs = np.random.default_rng(0).integers(3, shape['vocab'], (batch, source_length)).astype(np.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), inputs[:1], inputs[:1])['params'])
+  run = jax.jit(functools.partial(cached, model=model, beam_size=4, output_length=output_length))
+  jax.block_until_ready(run(params, inputs))
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    jax.block_until_ready(run(params, inputs))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument('--shapes', default='base,big')
+  parser.add_argument('--dtypes', default='float32,bfloat16')
+  parser.add_argument('--tokens', type=int, default=16384, help='target tokens per train batch')
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--smoke', action='store_true', help='tiny shapes and sizes, to check the script on a CPU')
+  args = parser.parse_args()
+  import jax
+  import jax.numpy as jnp
+  from train_step import model_flops  # bench/train_step.py
+  shapes = ['smoke'] if args.smoke else args.shapes.split(',')
+  dtypes = args.dtypes.split(',')
+  tokens = 1024 if args.smoke else args.tokens
+  matmul_size = 512 if args.smoke else 8192
+  device = jax.devices()[0]
+  peaks = {dtype: matmul_peak(jax, jnp, getattr(jnp, dtype), matmul_size) for dtype in ('float32', 'bfloat16')}
+  print(f'device: {device.device_kind} ({device.platform}); jax {jax.__version__}; matmul peak '
+        f'{peaks["float32"]:,.0f} GFLOP/s float32 (default precision), {peaks["bfloat16"]:,.0f} bfloat16\n')
+
+  results = []
+  print(f'train step, {tokens} target tokens per batch ({tokens // SENTENCE_LENGTH} × {SENTENCE_LENGTH}), '
+        f'median of {args.steps}\n')
+  print('| shape | dtype | step ms | target tokens/s | model TFLOP/s | fraction of bf16 matmul peak |')
+  print('|---|---|---|---|---|---|')
+  for name in shapes:
+    for dtype in dtypes:
+      seconds = time_train_step(jax, SHAPES[name], dtype, tokens, args.steps)
+      flops = model_flops({**SHAPES[name], 'batch': tokens // SENTENCE_LENGTH, 'length': SENTENCE_LENGTH})
+      fraction = flops / seconds / 1e9 / peaks['bfloat16']
+      print(f'| {name} | {dtype} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {flops / seconds / 1e12:.2f} | '
+            f'{fraction:.2f} |', flush=True)
+      results.append({'shape': name, 'dtype': dtype, 'tokens_per_second': round(tokens / seconds),
+                      'peak_fraction': round(fraction, 3)})
+
+  batch, source_length, output_length = (8, 8, 8) if args.smoke else (128, 32, 64)
+  print(f'\nbeam 4 decoding: {batch} sources of {source_length} tokens, exactly {output_length} generated tokens\n')
+  print('| shape | dtype | sentences/s | generated tokens/s |\n|---|---|---|---|')
+  for name in shapes:
+    for dtype in dtypes:
+      seconds = time_beam_search(jax, SHAPES[name], dtype, batch, source_length, output_length)
+      print(f'| {name} | {dtype} | {batch / seconds:,.1f} | {batch * output_length / seconds:,.0f} |', flush=True)
+      results.append({'shape': name, 'dtype': dtype, 'beam4_sentences_per_second': round(batch / seconds, 1)})
+  memory = peak_memory_gb(jax)
+  if memory is not None:
+    print(f'\npeak device memory: {memory:.1f} GiB')
+  print(json.dumps({'device': device.device_kind, 'matmul_peak_gflops': {k: round(v) for k, v in peaks.items()},
+                    'runs': results}))
+
+
+if __name__ == '__main__':
+  main()

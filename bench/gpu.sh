@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One prepared benchmark for a lent GPU (under 8 minutes on one H100/H200-class chip):
+# base and big train steps in float32 and bfloat16 as a fraction of the bf16 matmul peak measured in the
+# same run, and beam-4 decoding on newstest-like lengths. Tables go to stdout; the last line is JSON.
+#   bash bench/gpu.sh            (on the GPU machine, from the repository root)
+#   bash bench/gpu.sh --smoke    (tiny sizes: checks the script on a CPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ "${1:-}" != "--smoke" ]]; then
+  platform=$(python -c 'import jax; print(jax.devices()[0].platform)')
+  if [[ "$platform" != "gpu" ]]; then
+    echo "bench/gpu.sh: JAX sees no GPU (platform: $platform); install a CUDA jaxlib or run with --smoke" >&2
+    exit 1
+  fi
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
+timeout 470 python bench/accelerator.py "$@"
