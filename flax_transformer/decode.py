@@ -4,9 +4,9 @@ Both are pure functions of a `tokens_to_logits(ids [b·n, 1], cache) -> (logits 
 callback, so any model (or a hand-made table in tests) can drive them. Hypotheses of sentence i
 occupy rows i·n … i·n+n-1. When beams are reordered, `reorder_cache(cache, rows [b·n])` makes each
 hypothesis take its parent's cache; the default gathers every leaf whose leading dimension is b·n and
-leaves the others alone. The Transformer's cache is stacked over layers ([N, b·n, ...]), so
-translate_batch passes `Transformer.reorder_cache`; its encoder keys/values ([N, b, ...]) are shared
-by a sentence's beams and never copied.
+leaves the others alone. translate_batch passes `Transformer.reorder_cache`, which moves only the
+per-layer self-attention caches ([b·n, ...]); the encoder keys/values ([b, ...]) are shared by a
+sentence's beams and never copied.
 """
 
 import functools

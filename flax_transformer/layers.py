@@ -177,10 +177,10 @@ def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, drop
 class MultiHeadAttention(nn.Module):
   """§3.2.2 Multi-Head Attention, self- or encoder-decoder, with an optional KV cache for decoding.
 
-  Self-attention projects Q, K, V with one fused [e, 3, h, d] kernel. In decode mode the
-  self-attention keeps keys/values of the steps so far in the 'cache' collection, and the
-  encoder-decoder attention keeps the encoder's projected keys/values, computed once per
-  sentence and shared (not copied) by all beams of that sentence.
+  Self-attention projects Q, K, V with one fused [e, 3, h, d] kernel. For decoding (`init_cache`,
+  `decode_step`, explicit cache dicts passed in and out) the self-attention keeps keys/values of the
+  steps so far, and the encoder-decoder attention keeps the encoder's projected keys/values, computed
+  once per sentence and shared (not copied) by all beams of that sentence.
   """
   num_heads: int
   d_model: int
