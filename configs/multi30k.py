@@ -45,4 +45,5 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.num_eval_bleu_sentences = 100
   config.average_last = 5
   config.beam_size = 4
+  config.length_penalty_alpha = 1.0  # Chosen on val (0.6/1.0/1.4: tok 34.42/34.65/34.51, raw 33.64/34.06/34.13).
   return config
