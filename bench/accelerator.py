@@ -29,19 +29,6 @@ SHAPES = {  # Table 3 of the paper, with a 32k shared vocabulary.
 SENTENCE_LENGTH = 64
 
 
-def matmul_peak(jax, jnp, dtype, n: int) -> float:
-  """GFLOP/s of one large jitted n×n matrix product in `dtype`, median of 5."""
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda x, y: x @ y)
-  f(a, a).block_until_ready()
-  times = []
-  for _ in range(5):
-    start = time.perf_counter()
-    f(a, a).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / statistics.median(times) / 1e9
-
-
 def peak_memory_gb(jax) -> float | None:
   stats = jax.local_devices()[0].memory_stats() or {}
   return stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None
@@ -109,7 +96,7 @@ def main():
   args = parser.parse_args()
   import jax
   import jax.numpy as jnp
-  from train_step import model_flops  # bench/train_step.py
+  from train_step import matmul_peak, model_flops  # bench/train_step.py
   shapes = ['smoke'] if args.smoke else args.shapes.split(',')
   dtypes = args.dtypes.split(',')
   tokens = 1024 if args.smoke else args.tokens
