@@ -128,8 +128,9 @@ class DecoderLayer(nn.Module):
     self.cross_attention_sublayer = SublayerConnection(c)
     self.feed_forward_sublayer = SublayerConnection(c)
 
-  # The three methods share one argument layout, (carry, per-layer input, four shared inputs), because
-  # nn.scan runs them all over the stacked layers with the same in_axes.
+  # __call__ and init_cache share one argument layout, (carry, per-layer input, four shared inputs),
+  # because nn.scan runs both over the stacked layers with the same in_axes. decode_step is called per
+  # layer (Transformer.decode_step), outside the scan.
 
   def __call__(self, y, unused_layer_input, memory, self_bias, memory_bias, deterministic):
     """y [b, t, e], memory [b, s, e], self_bias [1, 1, t, t], memory_bias [b, 1, 1, s] -> ([b, t, e], None)."""
@@ -144,7 +145,7 @@ class DecoderLayer(nn.Module):
     return carry, {'self': self.self_attention.init_cache(batch_size, max_len),
                    'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
 
-  def decode_step(self, y, cache, step, memory_bias, unused_a=None, unused_b=None):
+  def decode_step(self, y, cache, step, memory_bias):
     """y [b·n, 1, e] -> ([b·n, 1, e], updated cache)."""
     new_cache = {}
 
@@ -187,7 +188,7 @@ class Transformer(nn.Module):
     self.encoder = scan(EncoderLayer, in_axes=(nn.broadcast, nn.broadcast),
                         length=c.num_encoder_layers)(c, name='encoder')
     self.decoder = scan(DecoderLayer, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-                        length=c.num_decoder_layers, methods=['__call__', 'decode_step', 'init_cache'])(
+                        length=c.num_decoder_layers, methods=['__call__', 'init_cache'])(
                             c, name='decoder')
     if c.pre_norm:  # Pre-LN needs a final normalisation of each stack's output.
       self.encoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
