@@ -24,16 +24,17 @@ def length_penalty(length, alpha: float):
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def top_k(x: jax.Array, k: int, block: int = 128):
+def top_k(x: jax.Array, k: int):
   """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages.
 
   XLA:CPU's top-k sorts each whole row; over a vocabulary that costs more than the rest of a beam step.
-  The k largest entries lie in the k blocks (of `block` entries) with the largest maxima, so the search
-  takes those blocks' maxima, then the top k of the k·block entries of the chosen blocks (in index
-  order, so ties resolve to the lowest index, as lax.top_k does).
+  The k largest entries lie in the k blocks (of 64–128 entries, a divisor of v) with the largest
+  maxima, so the search takes those blocks' maxima, then the top k of the entries of the chosen blocks
+  (in index order, so ties resolve to the lowest index, as lax.top_k does).
   """
   rows, width = x.shape
-  if width % block or width < 4 * k * block:
+  block = next((b for b in range(128, 63, -1) if width % b == 0), None)
+  if block is None or width < 4 * k * block:
     return jax.lax.top_k(x, k)
   blocks = x.reshape(rows, width // block, block)  # [r, nb, block]
   _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [r, k]

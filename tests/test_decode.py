@@ -138,10 +138,11 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
 
 
 @pytest.mark.parametrize('ties', [False, True])
-def test_blocked_top_k_equals_lax_top_k(ties):
+@pytest.mark.parametrize('width', [128 * 40, 6000])  # blocks of 128; of 125 (Multi30k's vocabulary)
+def test_blocked_top_k_equals_lax_top_k(ties, width):
   """Beam search's two-stage top-k returns exactly lax.top_k's values and indices, ties included."""
   rng = np.random.default_rng(0)
-  shape = (16, 128 * 40)  # 40 blocks of 128: the blocked path (not the fallback) runs
+  shape = (16, width)
   # Integers below 1000: the 8 largest of 5120 often tie, within and across blocks.
   x = rng.integers(0, 1000, shape).astype(np.float32) if ties else rng.normal(size=shape).astype(np.float32)
   values, indices = jax.jit(decode.top_k, static_argnums=1)(x, 8)
