@@ -34,31 +34,18 @@ def peak_memory_gb(jax) -> float | None:
   return stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None
 
 
-def time_train_step(jax, shape: dict, dtype: str, tokens: int, steps: int) -> float:
+def time_train_step(shape: dict, dtype: str, tokens: int, steps: int) -> float:
   """Median seconds per train step."""
   import numpy as np
-  from configs import base
-  from flax_transformer import partitioning, steps as train_steps
-  from flax_transformer.model import TransformerConfig
-  config = base.get_config()
-  m = config.model
-  m.vocab_size, m.d_model, m.num_heads, m.d_ff = shape['vocab'], shape['d_model'], shape['heads'], shape['d_ff']
-  m.num_encoder_layers = m.num_decoder_layers = shape['layers']
-  m.dropout_rate, m.max_len, m.dtype = 0.1, 2 * SENTENCE_LENGTH, dtype
-  model_config = TransformerConfig.from_config(config)
-  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
-  step = partitioning.jit_train_step(functools.partial(train_steps.train_step, model_config=model_config,
-                                                       label_smoothing=0.1), mesh, shardings)
+  from train_step import build_ours  # bench/train_step.py
   rng = np.random.default_rng(0)
   batch = {k: rng.integers(3, shape['vocab'], (tokens // SENTENCE_LENGTH, SENTENCE_LENGTH)).astype(np.int32)
            for k in ('inputs', 'targets')}
-  key = jax.random.key(1)
+  run, _ = build_ours(shape, batch, dtype, max_len=2 * SENTENCE_LENGTH)
   times = []
   for i in range(steps + 2):
     start = time.perf_counter()
-    state, metrics = step(state, batch, key)
-    jax.block_until_ready(metrics)
+    run()
     if i >= 2:
       times.append(time.perf_counter() - start)
   return statistics.median(times)
@@ -113,7 +100,7 @@ def main():
   print('|---|---|---|---|---|---|')
   for name in shapes:
     for dtype in dtypes:
-      seconds = time_train_step(jax, SHAPES[name], dtype, tokens, args.steps)
+      seconds = time_train_step(SHAPES[name], dtype, tokens, args.steps)
       flops = model_flops({**SHAPES[name], 'batch': tokens // SENTENCE_LENGTH, 'length': SENTENCE_LENGTH})
       fraction = flops / seconds / 1e9 / peaks['bfloat16']
       print(f'| {name} | {dtype} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {flops / seconds / 1e12:.2f} | '

@@ -49,14 +49,16 @@ def matmul_peak(jax, jnp, dtype=None, n: int = 2048) -> float:
   return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def build_ours(s, batch):
+def build_ours(s, batch, dtype: str = 'float32', max_len: int = 64):
+  """-> (run one step of our jitted train step on `batch`, the jitted step) for shape `s`."""
   import jax
   from configs import base
   from flax_transformer import partitioning, steps
   from flax_transformer.model import TransformerConfig
   config = base.get_config()
   config.model.vocab_size, config.model.d_model, config.model.d_ff = s['vocab'], s['d_model'], s['d_ff']
-  config.model.num_heads, config.model.dropout_rate, config.model.max_len = s['heads'], 0.1, 64
+  config.model.num_heads, config.model.dropout_rate, config.model.max_len = s['heads'], 0.1, max_len
+  config.model.dtype = dtype
   config.model.num_encoder_layers = config.model.num_decoder_layers = s['layers']
   model_config = TransformerConfig.from_config(config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
