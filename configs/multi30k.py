@@ -24,7 +24,7 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.model.d_ff = 512
   config.model.num_encoder_layers = 3
   config.model.num_decoder_layers = 3
-  config.model.dropout_rate = 0.2  # Small data overfits; 0.3 (Wu et al.'s 70 epochs) slows a 25-epoch hour too much.
+  config.model.dropout_rate = 0.1  # Val ppl at step 1000: 0.1 → 19.0, 0.2 → 26.8 (~30 epochs an hour: underfitted).
   config.model.max_len = 256
   config.model.scan_unroll = 3  # All layers unrolled: faster steps, longer compiles (worth it for an hour's run).
   config.max_length = 100
@@ -35,8 +35,10 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.num_bucket_boundaries = 8  # 3 shapes each, plus a rarely used catch-all bucket up to max_length.
   config.shuffle_buffer_size = 30_000
 
-  config.warmup_steps = 150  # A short warmup: lr 4.3e-3 at step 150, then d^-0.5-scaled inverse sqrt decay.
-  config.learning_rate_factor = 0.6
+  # Post-LN at this width learns faster with a lower peak: val ppl at steps 500 / 1000 (dropout 0.1) with
+  # learning_rate_factor 1.0 → 133 / -, 0.6 → 43.9 / 19.0, 0.35 → 36.0 / 16.0.
+  config.warmup_steps = 150  # A short warmup: lr 2.5e-3 at step 150, then d^-0.5-scaled inverse sqrt decay.
+  config.learning_rate_factor = 0.35
   config.num_train_steps = 5600  # ~55 minutes on 2 CPU cores (compilation included).
   config.checkpoint_every_steps = 250
   config.keep_checkpoints = 10
