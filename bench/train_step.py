@@ -1,10 +1,11 @@
 """Training-step speed: our jitted step vs a PyTorch nn.Transformer reference, alternating, one invocation.
 
-python bench/train_step.py --shape tiny|base [--steps 10] [--threads N]
+python bench/train_step.py --shape tiny|base|multi30k [--steps 10] [--threads N]
 
 Shapes (all tokens real, dropout 0.1, Adam(0.9, 0.98, 1e-9), label smoothing 0.1, fp32):
   tiny: vocab 8192, d_model 256, 3+3 layers, 4 heads, d_ff 1024, batch 128 × 32/32
   base: vocab 32768, d_model 512, 6+6 layers, 8 heads, d_ff 2048, batch 64 × 32/32
+  multi30k: configs/multi30k.py's model (vocab 6000, d_model 128, 3+3 layers, 4 heads, d_ff 512), batch 128 × 16/16
 Model FLOPs = 6 × (non-embedding + output-projection parameters) × target tokens + attention matmuls.
 Prints a markdown table; the last line is one JSON object.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = {
     'tiny': dict(vocab=8192, d_model=256, layers=3, heads=4, d_ff=1024, batch=128, length=32),
     'base': dict(vocab=32768, d_model=512, layers=6, heads=8, d_ff=2048, batch=64, length=32),
+    'multi30k': dict(vocab=6000, d_model=128, layers=3, heads=4, d_ff=512, batch=128, length=16),
 }
 
 
