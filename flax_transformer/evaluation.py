@@ -11,10 +11,15 @@ from flax_transformer import decode, tokenizer
 from flax_transformer.model import Transformer
 
 
-def evaluate_loss(eval_step, params, batches, to_global) -> dict:
-  """Sums the jitted eval step over `batches` (numpy dicts); returns per-token loss, perplexity, accuracy."""
+def evaluate_loss(eval_step, params, batches, to_global, should_stop=None) -> dict | None:
+  """Sums the jitted eval step over `batches` (numpy dicts); returns per-token loss, perplexity, accuracy.
+
+  Returns None, abandoning the rest, as soon as `should_stop()` is true (checked before each batch).
+  """
   totals = None
   for batch in batches:
+    if should_stop and should_stop():
+      return None
     sums = eval_step(params, to_global(batch))
     totals = sums if totals is None else jax.tree_util.tree_map(lambda a, b: a + b, totals, sums)
   totals = jax.device_get(totals)
@@ -45,10 +50,12 @@ def _round_up(x: int, to: int) -> int:
 
 
 def translate_sentences(params, model_config, processor, sentences: list[str], *, beam_size: int, alpha: float,
-                        max_extra_length: int, batch_tokens: int = 4096, progress=None) -> list[str]:
+                        max_extra_length: int, batch_tokens: int = 4096, progress=None,
+                        should_stop=None) -> list[str] | None:
   """Translates `sentences` in length-sorted batches and returns the translations in input order.
 
   Empty sentences translate to empty strings; sources longer than the model's position table are cut.
+  Returns None, abandoning the rest, as soon as `should_stop()` is true (checked before each batch).
   """
   model = Transformer(model_config)
   limit = model_config.max_len - 1
@@ -58,6 +65,8 @@ def translate_sentences(params, model_config, processor, sentences: list[str], *
   batches = length_sorted_batches([encoded[i] for i in todo], batch_tokens)
   done = 0
   for batch in batches:
+    if should_stop and should_stop():
+      return None
     indices = [todo[j] for j in batch]
     source_length = _round_up(max(len(encoded[i]) for i in indices), 8)
     rows = _round_up(len(indices), 8)  # a few batch shapes, so a few compilations

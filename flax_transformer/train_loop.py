@@ -170,11 +170,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
   eval_sources, eval_references = None, None
 
   def evaluate(step):
+    """Validation metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
     nonlocal eval_sources, eval_references
+    stopping = lambda: stop.received is not None
     results = evaluation.evaluate_loss(eval_step, state.params,
                                        input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size)
-                                       .as_numpy_iterator(), to_global)
-    if config.num_eval_bleu_sentences > 0:
+                                       .as_numpy_iterator(), to_global, should_stop=stopping)
+    if results is not None and config.num_eval_bleu_sentences > 0:
       if eval_sources is None:
         pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
         eval_sources, eval_references = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -182,8 +184,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
       hypotheses = evaluation.translate_sentences(params, model_config, processor, eval_sources,
                                                   beam_size=config.beam_size, alpha=config.length_penalty_alpha,
                                                   max_extra_length=config.max_extra_length,
-                                                  batch_tokens=config.eval_tokens_per_batch)
-      results['bleu'], _ = evaluation.bleu(hypotheses, eval_references, config.get('bleu_tokenize', '13a'))
+                                                  batch_tokens=config.eval_tokens_per_batch,
+                                                  should_stop=stopping)
+      if hypotheses is None:
+        results = None
+      else:
+        results['bleu'], _ = evaluation.bleu(hypotheses, eval_references, config.get('bleu_tokenize', '13a'))
+    if results is None:
+      print(f'evaluation at step {step} abandoned: {stop.received} received', flush=True)
+      return {}
     log_scalars(step, results, 'eval')
     if is_chief:
       bleu = f' bleu {results["bleu"]:.2f}' if 'bleu' in results else ''

@@ -145,6 +145,18 @@ def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
   assert 4 <= saved[-1] < 50
 
 
+def test_sigterm_during_evaluation_abandons_it(corpus, tmp_path):
+  # The signal is sent as step 4's line appears, i.e. as step 4's evaluation (loss, then BLEU) starts.
+  workdir = str(tmp_path / 'term_eval')
+  command = _train_command(workdir, corpus, steps=50) + ['--config.eval_every_steps=4',
+                                                          '--config.num_eval_bleu_sentences=4']
+  code, output = _run_until(command, workdir, 4, signal.SIGTERM)
+  assert code == 0, output[-2000:]
+  assert 'evaluation at step 4 abandoned: SIGTERM received' in output and 'eval step 4:' not in output
+  assert 'SIGTERM received: checkpoint saved at step 4' in output
+  assert checkpointing.available_steps(workdir)[-1] == 4
+
+
 def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   unwritable = tmp_path / 'ro'
   unwritable.mkdir()
