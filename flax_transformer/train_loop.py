@@ -88,8 +88,8 @@ def enable_compilation_cache() -> None:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
-  """Trains (or resumes) the run in `workdir`; returns the last metrics."""
+def train_and_evaluate(config, workdir: str, devices=None) -> dict:
+  """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
   enable_compilation_cache()
   tf.config.set_visible_devices([], 'GPU')
   tf.config.set_visible_devices([], 'TPU') if tf.config.list_physical_devices('TPU') else None
@@ -99,7 +99,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   is_chief = jax.process_index() == 0
   workdir = os.path.abspath(workdir)
   checkpointing.check_workdir(workdir, config)
-  mesh = partitioning.create_mesh(config.mesh_shape)
+  mesh = partitioning.create_mesh(config.mesh_shape, devices)
   partitioning.check_model_fits_mesh(model_config, mesh)
   dp_size = partitioning.data_parallel_size(mesh)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 import tensorflow_datasets as tfds
 
@@ -15,6 +16,11 @@ from flax_transformer.errors import WorkdirError
 from tests.test_input_pipeline import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def one_device():
+  """The devices for small_run's mesh_shape (1, 1, 1), out of the 8 virtual CPU devices."""
+  return jax.local_devices()[:1]
 
 
 def small_run(config, tmp_path):
@@ -45,12 +51,10 @@ def read_step_losses(workdir):
   return losses
 
 
-def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, monkeypatch):
-  import jax
-  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
+def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path):
   config = small_run(tiny_config, tmp_path)
   workdir = str(tmp_path / 'work')
-  result = train_loop.train_and_evaluate(config, workdir)
+  result = train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
   assert os.path.exists(os.path.join(workdir, 'sentencepiece.model'))
   assert os.path.exists(os.path.join(workdir, 'config.json'))
@@ -59,13 +63,11 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
   # A workdir holding another model is refused and left as it is.
   config.model.d_model = 32
   with pytest.raises(WorkdirError, match='holds a run with model.d_model=16'):
-    train_loop.train_and_evaluate(config, workdir)
+    train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
 
 
 def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
-  import jax
-  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
   config = small_run(tiny_config, tmp_path)
   config.dataset = 'wmt14_translate/de-en'
   config.num_train_steps = 3
@@ -74,7 +76,7 @@ def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
   monkeypatch.setattr(checkpointing, 'save_state', lambda manager, state: saved.append(int(state.step)))
   monkeypatch.setattr(checkpointing, 'save_data_state', lambda *args: None)
   with tfds.testing.mock_data(num_examples=30, policy=tfds.testing.MockPolicy.USE_CODE):
-    result = train_loop.train_and_evaluate(config, str(tmp_path / 'wmt'))
+    result = train_loop.train_and_evaluate(config, str(tmp_path / 'wmt'), one_device())
   assert saved == [3] and result['step'] == 3 and result['eval']['tokens'] > 0
   assert os.path.exists(str(tmp_path / 'wmt' / 'sentencepiece.model'))
 
@@ -173,19 +175,15 @@ def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   assert result.returncode == 1 and 'error: data file /nonexistent.gz does not exist' in result.stderr
 
 
-def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path, monkeypatch):
-  import jax
-  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
+def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path):
   config = small_run(tiny_config, tmp_path)
   config.learning_rate_factor = 1e30  # the first update overflows the parameters
   with pytest.raises(train_loop.TrainingDiverged, match='the training loss became (nan|inf|-inf) at step 2'):
-    train_loop.train_and_evaluate(config, str(tmp_path / 'nan'))
+    train_loop.train_and_evaluate(config, str(tmp_path / 'nan'), one_device())
   assert checkpointing.available_steps(str(tmp_path / 'nan')) == []
 
 
 def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tmp_path, monkeypatch):
-  import jax
-  monkeypatch.setattr(jax, 'devices', lambda *a: jax.local_devices()[:1])
   config = small_run(tiny_config, tmp_path)
   original = checkpointing.save_state
 
@@ -196,5 +194,5 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
 
   monkeypatch.setattr(checkpointing, 'save_state', disk_full_after_first)
   with pytest.raises(train_loop.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):
-    train_loop.train_and_evaluate(config, str(tmp_path / 'full'))
+    train_loop.train_and_evaluate(config, str(tmp_path / 'full'), one_device())
   assert checkpointing.available_steps(str(tmp_path / 'full')) == [3]
