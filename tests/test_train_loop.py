@@ -196,3 +196,24 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
   with pytest.raises(train_loop.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):
     train_loop.train_and_evaluate(config, str(tmp_path / 'full'), one_device())
   assert checkpointing.available_steps(str(tmp_path / 'full')) == [3]
+
+
+def test_compare_runs_finds_the_first_differing_step(tmp_path):
+  from docs import compare_runs
+
+  def write(name, losses, perplexity, bleu=None):
+    os.makedirs(tmp_path / name)
+    with open(tmp_path / name / train_loop.METRICS_FILENAME, 'w') as f:
+      for end in range(2, len(losses) + 1, 2):  # logged every 2 steps, as the loop writes them
+        f.write(json.dumps({'step': end, 'split': 'train_steps', 'losses': losses[end - 2:end]}) + '\n')
+      f.write(json.dumps({'step': len(losses), 'split': 'eval', 'perplexity': perplexity,
+                          **({'bleu': bleu} if bleu is not None else {})}) + '\n')
+    return str(tmp_path / name)
+
+  losses = [5.0, 4.5, 4.25, 4.0, 3.875, 3.75]
+  a = write('a', losses, 9.5, bleu=12.0)
+  same = compare_runs.compare(a, write('b', list(losses), 9.5))  # no BLEU: compared on perplexity
+  assert same['steps'] == 6 and same['differing_steps'] == [] and same['differing_evaluations'] == []
+  changed = losses[:3] + [4.0 + 1e-12] + losses[4:]
+  other = compare_runs.compare(a, write('c', changed, 9.5000001))
+  assert other['differing_steps'] == [4] and other['differing_evaluations'] == [6]

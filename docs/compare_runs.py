@@ -1,0 +1,71 @@
+"""Do two training runs agree? Compares the per-step losses and evaluations that each run logged.
+
+python docs/compare_runs.py --workdir=DIR_A --workdir=DIR_B
+
+Reads <workdir>/train_metrics.jsonl (every step's loss, exactly, and every evaluation), compares the steps
+both runs logged, and prints how many match bitwise, the first that differs, and the last evaluation of
+each. Exit status 0 when every common step and evaluation is identical, 1 otherwise.
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flax_transformer.train_loop import METRICS_FILENAME  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string('workdir', None, 'The two run directories.', required=True)
+
+
+def read_run(workdir: str) -> tuple[dict[int, float], dict[int, dict]]:
+  """({step: loss}, {step: evaluation record}) from a run's metrics file (a resumed run's last record wins)."""
+  path = os.path.join(workdir, METRICS_FILENAME)
+  if not os.path.exists(path):
+    raise SystemExit(f'error: {path} does not exist; pass the --workdir of a training run')
+  losses, evaluations = {}, {}
+  with open(path) as f:
+    for line in f:
+      record = json.loads(line)
+      if record['split'] == 'train_steps':
+        first = record['step'] - len(record['losses']) + 1
+        losses.update(zip(range(first, record['step'] + 1), record['losses']))
+      elif record['split'] == 'eval':
+        evaluations[record['step']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
+  return losses, evaluations
+
+
+def compare(workdir_a: str, workdir_b: str) -> dict:
+  """Steps and evaluations both runs logged, and those that differ (bitwise; an evaluation on the metrics
+  both logged, so a run without sample BLEU still compares on loss and perplexity)."""
+  (losses_a, evals_a), (losses_b, evals_b) = read_run(workdir_a), read_run(workdir_b)
+  steps = sorted(set(losses_a) & set(losses_b))
+  eval_steps = sorted(set(evals_a) & set(evals_b))
+  return {'steps': len(steps), 'last_step': steps[-1] if steps else None,
+          'differing_steps': [s for s in steps if losses_a[s] != losses_b[s]],
+          'evaluations': len(eval_steps),
+          'differing_evaluations': [s for s in eval_steps if any(evals_a[s][k] != evals_b[s][k]
+                                                                 for k in evals_a[s].keys() & evals_b[s].keys())],
+          'last_evaluation': [evals_a[eval_steps[-1]], evals_b[eval_steps[-1]]] if eval_steps else None}
+
+
+def main(argv):
+  del argv
+  if len(FLAGS.workdir) != 2:
+    raise SystemExit(f'error: got {len(FLAGS.workdir)} --workdir flags; pass exactly two runs to compare')
+  result = compare(*FLAGS.workdir)
+  differing = result['differing_steps']
+  print(f"{result['steps']} common steps (up to {result['last_step']}): "
+        f"{result['steps'] - len(differing)} identical" + (f', first difference at step {differing[0]}' if differing else ''))
+  print(f"{result['evaluations']} common evaluations: {len(result['differing_evaluations'])} differ"
+        + (f" (steps {result['differing_evaluations'][:5]})" if result['differing_evaluations'] else ''))
+  if result['last_evaluation']:
+    for workdir, evaluation in zip(FLAGS.workdir, result['last_evaluation']):
+      print(f'  {workdir}: ' + ', '.join(f'{k} {v!r}' for k, v in evaluation.items()))
+  sys.exit(1 if differing or result['differing_evaluations'] else 0)
+
+
+if __name__ == '__main__':
+  app.run(main)
