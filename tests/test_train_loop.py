@@ -11,6 +11,7 @@ import jax
 import pytest
 import tensorflow_datasets as tfds
 
+from docs import compare_runs
 from flax_transformer import checkpointing, train_loop
 from flax_transformer.errors import WorkdirError
 from tests.test_input_pipeline import write_corpus
@@ -39,16 +40,6 @@ def small_run(config, tmp_path):
   config.num_eval_bleu_sentences = 4
   config.mesh_shape = (1, 1, 1)
   return config
-
-
-def read_step_losses(workdir):
-  losses = {}
-  with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:
-    for line in f:
-      record = json.loads(line)
-      if record['split'] == 'train_steps':
-        losses[record['step']] = record['losses'][-1]
-  return losses
 
 
 def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path):
@@ -132,7 +123,7 @@ def test_exact_resume_after_sigkill(corpus, tmp_path):
   result = subprocess.run(_train_command(killed, corpus, steps), env=_env(), check=True, capture_output=True,
                           text=True, timeout=600)
   assert f'resumed from step {restored_from}' in result.stdout
-  expected, resumed = read_step_losses(reference), read_step_losses(killed)
+  expected, resumed = compare_runs.read_run(reference)[0], compare_runs.read_run(killed)[0]
   assert sorted(expected) == list(range(1, steps + 1))
   for step in range(restored_from + 1, steps + 1):  # every step after the restored checkpoint, bitwise
     assert resumed[step] == expected[step], (step, resumed[step], expected[step])
@@ -199,8 +190,6 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
 
 
 def test_compare_runs_finds_the_first_differing_step(tmp_path):
-  from docs import compare_runs
-
   def write(name, losses, perplexity, bleu=None):
     os.makedirs(tmp_path / name)
     with open(tmp_path / name / train_loop.METRICS_FILENAME, 'w') as f:
