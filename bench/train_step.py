@@ -25,8 +25,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = {
     'tiny': dict(vocab=8192, d_model=256, layers=3, heads=4, d_ff=1024, batch=128, length=32),
     'base': dict(vocab=32768, d_model=512, layers=6, heads=8, d_ff=2048, batch=64, length=32),
-    'multi30k': dict(vocab=6000, d_model=128, layers=3, heads=4, d_ff=512, batch=128, length=16),
 }
+
+
+def _multi30k_shape() -> dict:
+  """configs/multi30k.py's model (read from the config, so the two cannot drift apart), batch 128 × 16."""
+  from configs import multi30k
+  m = multi30k.get_config().model
+  assert m.num_encoder_layers == m.num_decoder_layers, 'the reference builds equal encoder and decoder depths'
+  return dict(vocab=m.vocab_size, d_model=m.d_model, layers=m.num_encoder_layers, heads=m.num_heads, d_ff=m.d_ff,
+              batch=128, length=16)
+
+
+SHAPES['multi30k'] = _multi30k_shape()
 
 
 def model_flops(s) -> float:
