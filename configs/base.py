@@ -48,11 +48,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_tokens_per_batch = 8192  # Per-batch token budget for evaluation and decoding.
   config.shuffle_buffer_size = 100_000
   config.num_bucket_boundaries = 16  # Length buckets: a bounded number of compiled shapes.
+  config.bucket_shapes = 'pairs'  # 3 shapes per bucket, each side padded to its own; 'longer_side': 1 shape.
 
   # --- Optimisation (§5.3, §5.4) ---
   config.label_smoothing = 0.1
   config.warmup_steps = 4000
   config.learning_rate_factor = 1.0  # Multiplies the paper's schedule (1.0 = exactly the paper).
+  config.cooldown_steps = 0  # > 0: the rate ramps linearly to 0 over the last this-many steps (not in the paper).
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98
   config.adam_eps = 1e-9

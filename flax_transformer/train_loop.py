@@ -53,6 +53,9 @@ def check_config(config) -> None:
     value = config[field]
     if not isinstance(value, int) or value < 1:
       raise ConfigError(f'config.{field}={value!r}: must be a positive integer')
+  if not isinstance(config.cooldown_steps, int) or not 0 <= config.cooldown_steps <= config.num_train_steps:
+    raise ConfigError(f'config.cooldown_steps={config.cooldown_steps!r}: must be an integer from 0 (no cooldown) '
+                      f'to config.num_train_steps={config.num_train_steps}')
   if config.keep_checkpoints < config.average_last:
     raise ConfigError(f'config.keep_checkpoints={config.keep_checkpoints} is below config.average_last='
                       f'{config.average_last}; keep at least as many checkpoints as are averaged')

@@ -1,6 +1,7 @@
 """§5.3 learning-rate schedule and Adam settings."""
 
 import numpy as np
+import pytest
 import optax
 from flax_transformer import optim
 
@@ -40,3 +41,21 @@ def test_gradient_clipping_is_a_switch(tiny_config):
 
   np.testing.assert_allclose(run(clipped, False), run(plain, True), rtol=1e-5)
   assert not np.allclose(run(plain, False), run(plain, True), rtol=1e-3)
+
+
+def test_cooldown_ramps_the_paper_rate_linearly_to_zero(tiny_config):
+  tiny_config.num_train_steps, tiny_config.warmup_steps, tiny_config.cooldown_steps = 100, 10, 40
+  _, schedule = optim.create_optimizer(tiny_config, 16)
+  paper = optim.inverse_sqrt_schedule(16, 10)
+  for count in (0, 9, 30, 60, 61, 80, 99):  # optax update count; the paper's step is count + 1
+    by_hand = float(paper(count + 1)) * min(1.0, (100 - count) / 40)
+    np.testing.assert_allclose(float(schedule(count)), by_hand, rtol=1e-6)
+  assert float(schedule(100)) == 0.0 and float(schedule(99)) > 0.0
+
+
+def test_cooldown_longer_than_the_run_is_a_config_error(tiny_config):
+  from flax_transformer import train_loop
+  from flax_transformer.errors import ConfigError
+  tiny_config.cooldown_steps = tiny_config.num_train_steps + 1
+  with pytest.raises(ConfigError, match=r'config.cooldown_steps=\d+: must be an integer from 0'):
+    train_loop.check_config(tiny_config)
