@@ -3,7 +3,9 @@
 Two sources behind one interface: a tfds dataset (`config.dataset='wmt14_translate/de-en'`) or
 plain/.gz text files, one sentence a line (`config.dataset='files'`).
 
-Training batches: pairs are grouped by (source bucket, target bucket); each group's batch size is
+Training batches: pairs are grouped by length bucket (`config.bucket_shapes`: 'pairs' pads each side
+to its own bucket, 3 shapes per bucket of the longer side; 'longer_side' pads both sides to the longer
+side's bucket, 1 shape per bucket: more padding, a third of the compilations); each group's batch size is
 the largest multiple of the data-parallel size that keeps `batch × padded length` within this
 host's share of `tokens_per_batch` on *both* sides, so every batch fits the budget and the set of
 shapes (each one an XLA compilation) is small and fixed. Evaluation batches keep every sentence,
@@ -182,13 +184,25 @@ def bucket_boundaries(lengths: np.ndarray, count: int, max_length: int) -> list[
   return sorted(set(boundaries))
 
 
-def bucket_shapes(boundaries: list[int]) -> tuple[np.ndarray, np.ndarray]:
-  """Padded (source, target) lengths of the 3 shapes per bucket m of the longer side.
+BUCKET_SHAPES = ('pairs', 'longer_side')
 
-  Shape 3m: both sides in bucket m; 3m+1: target in m, source shorter (padded to bucket m-1);
-  3m+2: source in m, target shorter. So there are at most 3 × len(boundaries) shapes.
+
+def _check_bucket_shapes(mode: str) -> None:
+  if mode not in BUCKET_SHAPES:
+    raise DataError(f"config.bucket_shapes={mode!r} is not one of {', '.join(BUCKET_SHAPES)}")
+
+
+def bucket_shapes(boundaries: list[int], mode: str = 'pairs') -> tuple[np.ndarray, np.ndarray]:
+  """Padded (source, target) lengths of the shapes of bucket m of the longer side.
+
+  'pairs', 3 shapes per bucket: shape 3m has both sides in bucket m; 3m+1: target in m, source shorter
+  (padded to bucket m-1); 3m+2: source in m, target shorter. 'longer_side': shape m pads both sides to
+  bucket m.
   """
+  _check_bucket_shapes(mode)
   b = list(boundaries)
+  if mode == 'longer_side':
+    return np.array(b), np.array(b)
   source, target = [], []
   for m, length in enumerate(b):
     shorter = b[m - 1] if m else length
@@ -197,9 +211,10 @@ def bucket_shapes(boundaries: list[int]) -> tuple[np.ndarray, np.ndarray]:
   return np.array(source), np.array(target)
 
 
-def bucket_batch_sizes(boundaries: list[int], tokens_per_batch: int, multiple: int) -> np.ndarray:
+def bucket_batch_sizes(boundaries: list[int], tokens_per_batch: int, multiple: int, mode: str = 'pairs') -> np.ndarray:
   """Batch size per shape: the most rows within budget on both sides, a multiple of `multiple`."""
-  sizes = np.repeat([tokens_per_batch // b // multiple * multiple for b in boundaries], 3)
+  sizes = np.repeat([tokens_per_batch // b // multiple * multiple for b in boundaries],
+                    3 if mode == 'pairs' else 1)
   if sizes.min() < multiple:
     raise DataError(f'config.tokens_per_batch={tokens_per_batch} (per host) cannot hold {multiple} sentences of '
                     f'{boundaries[-1]} tokens (the data-parallel size times gradient accumulation steps); '
@@ -211,16 +226,19 @@ def _bucket_index(lengths: tf.Tensor, boundaries: tf.Tensor) -> tf.Tensor:
   return tf.cast(tf.reduce_sum(tf.cast(lengths > boundaries, tf.int32)), tf.int64)
 
 
-def bucket_by_length(dataset: tf.data.Dataset, boundaries: list[int], batch_sizes: np.ndarray) -> tf.data.Dataset:
+def bucket_by_length(dataset: tf.data.Dataset, boundaries: list[int], batch_sizes: np.ndarray,
+                     mode: str = 'pairs') -> tf.data.Dataset:
   """Groups tokenised pairs into fixed-shape padded batches (see `bucket_shapes`)."""
   boundary_tensor = tf.constant(boundaries, tf.int32)
-  source_lengths, target_lengths = (tf.constant(x, tf.int32) for x in bucket_shapes(boundaries))
+  source_lengths, target_lengths = (tf.constant(x, tf.int32) for x in bucket_shapes(boundaries, mode))
   sizes = tf.constant(batch_sizes, tf.int64)
 
   def key(example):
     i = _bucket_index(tf.shape(example['inputs'])[0], boundary_tensor)
     j = _bucket_index(tf.shape(example['targets'])[0], boundary_tensor)
     m = tf.maximum(i, j)
+    if mode == 'longer_side':
+      return m
     return 3 * m + tf.where(i == j, tf.constant(0, tf.int64), tf.where(j > i, tf.constant(1, tf.int64),
                                                                         tf.constant(2, tf.int64)))
 
@@ -286,7 +304,9 @@ def train_batches(config, vocab_path: str, data_parallel_size: int = 1, repeat: 
   boundaries = bucket_boundaries(sample_lengths(config, vocab_path), config.num_bucket_boundaries, max_length)
   multiple = data_parallel_size * config.gradient_accumulation_steps // jax.process_count() or 1
   host_tokens = config.tokens_per_batch // jax.process_count()
-  batches = bucket_by_length(dataset, boundaries, bucket_batch_sizes(boundaries, host_tokens, multiple))
+  mode = config.bucket_shapes
+  _check_bucket_shapes(mode)
+  batches = bucket_by_length(dataset, boundaries, bucket_batch_sizes(boundaries, host_tokens, multiple, mode), mode)
   options = tf.data.Options()
   options.deterministic = True  # Same seed, same batch sequence (exact resume depends on it).
   return batches.with_options(options).prefetch(tf.data.AUTOTUNE)

@@ -61,9 +61,11 @@ def test_vocabulary_is_trained_once_and_reserves_ids(files_config, vocab, tmp_pa
     tokenizer.train_or_load(files_config, str(tmp_path / 'work'), None)
 
 
-def test_epoch_has_every_example_once_within_budget(files_config, vocab):
+@pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
+def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
   _, path = vocab
   files_config.max_length = 64  # keep everything
+  files_config.bucket_shapes = mode
   dropped = input_pipeline.DroppedCounter()
   batches = list(input_pipeline.train_batches(files_config, path, data_parallel_size=4, repeat=False,
                                               dropped=dropped).as_numpy_iterator())
@@ -80,7 +82,21 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab):
   assert sorted(seen) == sorted(expected)  # nothing lost, nothing duplicated
   assert dropped.value == 0
   shapes = {(b['inputs'].shape, b['targets'].shape) for b in batches}
-  assert len(shapes) <= 3 * files_config.num_bucket_boundaries
+  boundaries = files_config.num_bucket_boundaries + 1  # the DP's boundaries, plus the catch-all max_length
+  if mode == 'pairs':
+    assert len(shapes) <= 3 * boundaries
+  else:
+    assert len(shapes) <= boundaries and all(s[1] == t[1] for s, t in shapes)
+    for batch in batches:  # each row's longer side lies in the batch's bucket: longer than the next-smaller one
+      longer = np.maximum((batch['inputs'] > 0).sum(1), (batch['targets'] > 0).sum(1))
+      smaller = [b for b in {s[1] for s, _ in shapes} if b < batch['inputs'].shape[1]]
+      assert (longer[longer > 0] > max(smaller, default=0)).all()
+
+
+def test_unknown_bucket_shapes_is_a_one_line_error(files_config, vocab):
+  files_config.bucket_shapes = 'both'
+  with pytest.raises(input_pipeline.DataError, match="config.bucket_shapes='both' is not one of pairs, longer_side"):
+    input_pipeline.train_batches(files_config, vocab[1])
 
 
 def test_too_long_pairs_are_dropped_and_counted(files_config, vocab):
