@@ -47,6 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch.
   config.eval_tokens_per_batch = 8192  # Per-batch token budget for evaluation and decoding.
   config.shuffle_buffer_size = 100_000
+  config.cache_tokenized = False  # True: tokenise the training split once and keep its ids in memory.
   config.num_bucket_boundaries = 16  # Length buckets: a bounded number of compiled shapes.
   config.bucket_shapes = 'pairs'  # 3 shapes per bucket, each side padded to its own; 'longer_side': 1 shape.
 

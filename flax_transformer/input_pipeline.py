@@ -297,10 +297,14 @@ def train_batches(config, vocab_path: str, data_parallel_size: int = 1, repeat: 
     return keep
 
   dataset = text_pairs(config, 'train')
+  if config.cache_tokenized:  # tokenised once, held in memory; the shuffled order is the same either way
+    dataset = tokenize(dataset, vocab_path).cache()
   dataset = dataset.shuffle(config.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=True)
   if repeat:
     dataset = dataset.repeat()
-  dataset = tokenize(dataset, vocab_path).filter(short_enough)
+  if not config.cache_tokenized:
+    dataset = tokenize(dataset, vocab_path)
+  dataset = dataset.filter(short_enough)
   boundaries = bucket_boundaries(sample_lengths(config, vocab_path), config.num_bucket_boundaries, max_length)
   multiple = data_parallel_size * config.gradient_accumulation_steps // jax.process_count() or 1
   host_tokens = config.tokens_per_batch // jax.process_count()
