@@ -62,16 +62,34 @@ def check_config(config) -> None:
 
 
 class _StopSignal:
-  """Turns SIGTERM/SIGINT into a flag the loop checks after each step (checkpoint, then exit 0)."""
+  """Turns SIGTERM/SIGINT into a flag the loop checks after each step (checkpoint, then exit 0).
 
-  def __init__(self):
+  A multi-process run must stop every process at the same step, or the others wait forever in the next
+  collective. There SIGTERM is left to JAX's preemption service (set up by `jax.distributed.initialize`),
+  SIGINT is passed on to it as a SIGTERM of this process, and `check(step)` reports the signal at the step
+  `multihost_utils.reached_preemption_sync_point` agrees on across processes; evaluations are not abandoned.
+  """
+
+  def __init__(self, multi_process: bool = False):
     self.received = None
+    self.multi_process = multi_process
     self._previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGINT,) if multi_process else (signal.SIGTERM, signal.SIGINT):
       self._previous[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
-    self.received = signal.Signals(signum).name
+    if self.multi_process:
+      os.kill(os.getpid(), signal.SIGTERM)  # to the preemption service, which tells every process
+    else:
+      self.received = signal.Signals(signum).name
+
+  def check(self, step: int) -> str | None:
+    """The signal to stop on after `step`, or None; call after every step, on every process."""
+    if self.multi_process and self.received is None:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.received = 'SIGTERM'
+    return self.received
 
   def restore(self):
     for sig, handler in self._previous.items():
@@ -203,7 +221,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
             f'accuracy {results["accuracy"]:.4f}{bleu}', flush=True)
     return results
 
-  stop = _StopSignal()
+  stop = _StopSignal(multi_process=jax.process_count() > 1)
   pending, last_metrics, eval_results = [], {}, {}
   tick, tick_step, run_start = time.perf_counter(), start_step, time.perf_counter()
   step = start_step
@@ -214,7 +232,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
       pending.append(metrics)
       step += 1
       last = step == config.num_train_steps
-      checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop.received
+      stop_now = stop.check(step)  # every step: the processes' agreed stop step must not be skipped
+      checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop_now
       if step % config.log_every_steps == 0 or checkpoint_due:
         fetched = jax.device_get(pending)
         losses = np.array([m['loss'] for m in fetched])

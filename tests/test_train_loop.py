@@ -150,6 +150,27 @@ def test_sigterm_during_evaluation_abandons_it(corpus, tmp_path):
   assert checkpointing.available_steps(workdir)[-1] == 4
 
 
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(corpus, tmp_path):
+  from tests.test_partitioning import _free_port
+  workdir, port = str(tmp_path / 'two'), _free_port()
+  base = [a for a in _train_command(workdir, corpus, steps=2000) if not a.startswith('--config.mesh_shape=')]
+  commands = [base + [
+      '--config.mesh_shape=(2,1,1)', '--config.checkpoint_every_steps=1000', '--config.num_processes=2',
+      f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
+  chief, other = (subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for c in commands)
+  for line in chief.stdout:
+    if line.startswith('step 3/'):
+      other.send_signal(signal.SIGTERM)  # only process 1 is told; process 0 must stop with it
+      break
+  outputs = [p.communicate(timeout=300)[0] for p in (chief, other)]
+  assert chief.returncode == 0 and other.returncode == 0, outputs[0][-2000:] + outputs[1][-2000:]
+  saved = [int(w) for l in outputs[0].splitlines() if l.startswith('SIGTERM received: checkpoint saved at step')
+           for w in l.replace(';', ' ').split() if w.isdigit()]
+  assert len(saved) == 1 and 3 <= saved[0] < 2000
+  assert checkpointing.available_steps(workdir) == saved
+
+
 def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   unwritable = tmp_path / 'ro'
   unwritable.mkdir()
