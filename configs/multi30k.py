@@ -32,8 +32,12 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.max_corpus_chars = 20_000_000  # The whole corpus.
   config.tokens_per_batch = 2048  # Per-step progress early on hardly depends on batch size: more, smaller steps.
   config.eval_tokens_per_batch = 8192
-  config.num_bucket_boundaries = 8  # 3 shapes each, plus a rarely used catch-all bucket up to max_length.
+  # One shape per bucket (each shape is a ~9 s compilation here): 12 shapes, 90.0% real tokens, against
+  # 22 shapes and 91.3% with 8 buckets of 3 shapes ('pairs'). Plus a rarely used catch-all up to max_length.
+  config.bucket_shapes = 'longer_side'
+  config.num_bucket_boundaries = 12
   config.shuffle_buffer_size = 30_000
+  config.cache_tokenized = True  # 29k pairs: tokenised once, not every epoch.
 
   # Post-LN at this width learns faster with a lower peak: val ppl at steps 500 / 1000 (dropout 0.1) with
   # learning_rate_factor 1.0 → 133 / -, 0.6 → 43.9 / 19.0, 0.35 → 36.0 / 16.0, 0.25 → 38.7 / -.
