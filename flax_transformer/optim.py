@@ -21,12 +21,13 @@ def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0):
 def create_optimizer(config, d_model: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The run config's optimizer and the schedule it follows (indexed by optax's update count, from 0)."""
   paper_schedule = inverse_sqrt_schedule(d_model, config.warmup_steps, config.learning_rate_factor)
-  schedule = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
+  paper = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
+  schedule = paper
   if config.cooldown_steps > 0:
     # 1 until update num_train_steps - cooldown_steps, then linearly to 0 at num_train_steps (the last
     # update, number num_train_steps - 1, gets 1/cooldown_steps of the paper's rate).
     ramp = optax.linear_schedule(1.0, 0.0, config.cooldown_steps, config.num_train_steps - config.cooldown_steps)
-    schedule = (lambda base: lambda count: base(count) * ramp(count))(schedule)
+    schedule = lambda count: paper(count) * ramp(count)
   adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   if config.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam), schedule
