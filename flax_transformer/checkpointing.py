@@ -10,6 +10,7 @@ Layout of a workdir:
 import json
 import logging
 import os
+import socket
 
 import jax
 import numpy as np
@@ -125,7 +126,8 @@ def check_workdir(workdir: str, config) -> None:
   """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""
   try:
     tf.io.gfile.makedirs(workdir)
-    probe = os.path.join(workdir, '.write_test')
+    # One probe per process: the processes of a multi-host run check the same (shared) workdir at once.
+    probe = os.path.join(workdir, f'.write_test.{socket.gethostname()}.{os.getpid()}')
     with tf.io.gfile.GFile(probe, 'w') as f:
       f.write('ok')
     tf.io.gfile.remove(probe)
