@@ -79,6 +79,7 @@ from flax_transformer import partitioning
 
 config = multi30k.get_config(data_dir=DATA_DIR)
 config.num_train_steps = TRAIN_STEPS
+config.cooldown_steps = TRAIN_STEPS // 4  # the config ramps the rate to 0 over its last quarter
 if TINY:  # a few-thousand-parameter model and few batch shapes, for a CPU test
   config.model.vocab_size, config.model.d_model, config.model.d_ff = 300, 32, 64
   config.model.num_encoder_layers = config.model.num_decoder_layers = 1
