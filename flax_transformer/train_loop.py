@@ -140,10 +140,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
 
   dropped = input_pipeline.DroppedCounter()
-  train_data = input_pipeline.train_batches(config, vocab_path, dp_size, dropped=dropped)
-  options = tf.data.Options()
-  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
-  train_iter = iter(train_data.with_options(options))
+  train_iter = iter(input_pipeline.train_batches(config, vocab_path, dp_size, dropped=dropped))
 
   start_step = manager.latest_step()
   if start_step is not None:

@@ -217,9 +217,7 @@ def test_iterator_checkpoint_resumes_the_stream(files_config, vocab, tmp_path, c
   import tensorflow as tf
   _, path = vocab
   files_config.cache_tokenized = cache_tokenized
-  options = tf.data.Options()  # as the training loop sets it: the dropped-pairs counter is not data state
-  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
-  batches = lambda: input_pipeline.train_batches(files_config, path).with_options(options)
+  batches = lambda: input_pipeline.train_batches(files_config, path)
   iterator = iter(batches())
   for _ in range(17):  # past the first epoch
     next(iterator)
