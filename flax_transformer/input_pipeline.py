@@ -211,9 +211,9 @@ def bucket_shapes(boundaries: list[int], mode: str = 'pairs') -> tuple[np.ndarra
 
 
 def bucket_batch_sizes(boundaries: list[int], tokens_per_batch: int, multiple: int, mode: str = 'pairs') -> np.ndarray:
-  """Batch size per shape: the most rows within budget on both sides, a multiple of `multiple`."""
-  sizes = np.repeat([tokens_per_batch // b // multiple * multiple for b in boundaries],
-                    3 if mode == 'pairs' else 1)
+  """Batch size per shape of `bucket_shapes`: the most rows within budget on both sides, a multiple of `multiple`."""
+  longer = np.maximum(*bucket_shapes(boundaries, mode))
+  sizes = tokens_per_batch // longer // multiple * multiple
   if sizes.min() < multiple:
     raise DataError(f'config.tokens_per_batch={tokens_per_batch} (per host) cannot hold {multiple} sentences of '
                     f'{boundaries[-1]} tokens (the data-parallel size times gradient accumulation steps); '
