@@ -23,6 +23,7 @@ from flax_transformer.errors import ConfigError, UserError
 from flax_transformer.model import TransformerConfig
 
 METRICS_FILENAME = 'train_metrics.jsonl'
+VOCABULARY_TIMEOUT_SECONDS = 4 * 3600  # How long other processes wait for process 0 to train the vocabulary.
 
 
 class TrainingDiverged(UserError):
@@ -127,9 +128,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   # Vocabulary: trained once by process 0 into the workdir, then read by everyone.
   if is_chief:
     _, vocab_path = tokenizer.train_or_load(config, workdir, lambda: input_pipeline.python_pairs(config))
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices('vocabulary')
+  if jax.process_count() > 1:  # a coordination-service barrier: a device collective on CPU gives up after 30 s
+    from orbax.checkpoint import multihost
+    multihost.get_barrier_sync_fn()(key='vocabulary', timeout_ms=VOCABULARY_TIMEOUT_SECONDS * 1000)
   processor, vocab_path = tokenizer.train_or_load(config, workdir, None)
   if is_chief:
     checkpointing.write_config(workdir, config)

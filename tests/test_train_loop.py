@@ -227,3 +227,19 @@ def test_compare_runs_finds_the_first_differing_step(tmp_path):
   changed = losses[:3] + [4.0 + 1e-12] + losses[4:]
   other = compare_runs.compare(a, write('c', changed, 9.5000001))
   assert other['differing_steps'] == [4] and other['differing_evaluations'] == [6]
+
+
+def test_other_processes_wait_for_a_slow_vocabulary(corpus, tmp_path):
+  # Process 0 trains the vocabulary while process 1 waits; on CPU a collective would give up after 30 s.
+  from tests.test_partitioning import _free_port
+  workdir, port = str(tmp_path / 'slow'), _free_port()
+  base = [a for a in _train_command(workdir, corpus, steps=2) if not a.startswith('--config.mesh_shape=')]
+  base[1] = os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py')
+  commands = [base + ['--config.mesh_shape=(2,1,1)', '--config.num_processes=2',
+                      f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
+  env = dict(_env(), SLOW_VOCABULARY_SECONDS='40')
+  processes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for c in commands]
+  outputs = [p.communicate(timeout=300)[0] for p in processes]
+  assert [p.returncode for p in processes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+  assert checkpointing.available_steps(workdir) == [2]
