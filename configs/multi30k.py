@@ -26,6 +26,9 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.model.num_decoder_layers = 3
   config.model.dropout_rate = 0.1  # Val ppl at step 1000: 0.1 → 19.0, 0.2 → 26.8 (~30 epochs an hour: underfitted).
   config.model.max_len = 256
+  # Pre-LN (a switch; the paper is Post-LN): at this size it learns far faster. Same recipe otherwise, val
+  # ppl / BLEU-100 at steps 500 and 1000: Post-LN 32.5 / 12.0, 14.9 / 25.2; Pre-LN 20.9 / 21.9, 11.4 / 28.2.
+  config.model.pre_norm = True
   config.model.scan_unroll = 3  # All layers unrolled: faster steps, longer compiles (worth it for an hour's run).
   config.max_length = 100
   config.eval_max_length = 128
@@ -47,7 +50,7 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.cooldown_steps = 1600  # The rate ramps to 0 over the last quarter: the run's length is fixed.
   config.checkpoint_every_steps = 250
   config.keep_checkpoints = 10
-  config.eval_every_steps = 500
+  config.eval_every_steps = 300  # ~11 s each (loss on val, BLEU on 100 sentences).
   config.log_every_steps = 50
   config.num_eval_bleu_sentences = 100
   config.average_last = 5
