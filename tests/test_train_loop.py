@@ -150,13 +150,19 @@ def test_sigterm_during_evaluation_abandons_it(corpus, tmp_path):
   assert checkpointing.available_steps(workdir)[-1] == 4
 
 
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(corpus, tmp_path):
+def _two_process_commands(workdir, corpus, steps, script=os.path.join(ROOT, 'train.py')):
+  """The commands of processes 0 and 1 of one run on localhost, one CPU device each."""
   from tests.test_partitioning import _free_port
-  workdir, port = str(tmp_path / 'two'), _free_port()
-  base = [a for a in _train_command(workdir, corpus, steps=2000) if not a.startswith('--config.mesh_shape=')]
-  commands = [base + [
-      '--config.mesh_shape=(2,1,1)', '--config.checkpoint_every_steps=1000', '--config.num_processes=2',
-      f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
+  port = _free_port()
+  base = [a for a in _train_command(workdir, corpus, steps) if not a.startswith('--config.mesh_shape=')]
+  base[1] = script
+  return [base + ['--config.mesh_shape=(2,1,1)', '--config.num_processes=2',
+                  f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
+
+
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(corpus, tmp_path):
+  workdir = str(tmp_path / 'two')
+  commands = [c + ['--config.checkpoint_every_steps=1000'] for c in _two_process_commands(workdir, corpus, 2000)]
   chief, other = (subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for c in commands)
   for line in chief.stdout:
@@ -231,12 +237,8 @@ def test_compare_runs_finds_the_first_differing_step(tmp_path):
 
 def test_other_processes_wait_for_a_slow_vocabulary(corpus, tmp_path):
   # Process 0 trains the vocabulary while process 1 waits; on CPU a collective would give up after 30 s.
-  from tests.test_partitioning import _free_port
-  workdir, port = str(tmp_path / 'slow'), _free_port()
-  base = [a for a in _train_command(workdir, corpus, steps=2) if not a.startswith('--config.mesh_shape=')]
-  base[1] = os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py')
-  commands = [base + ['--config.mesh_shape=(2,1,1)', '--config.num_processes=2',
-                      f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
+  workdir = str(tmp_path / 'slow')
+  commands = _two_process_commands(workdir, corpus, 2, script=os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py'))
   env = dict(_env(), SLOW_VOCABULARY_SECONDS='40')
   processes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for c in commands]
