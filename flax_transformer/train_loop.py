@@ -186,15 +186,16 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
                                  f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
                                  f'and earlier checkpoints are intact') from None
 
-  eval_sources, eval_references = None, None
+  eval_sources, eval_references, eval_dataset = None, None, None
 
   def evaluate(step):
     """Validation metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
-    nonlocal eval_sources, eval_references
+    nonlocal eval_sources, eval_references, eval_dataset
     stopping = lambda: stop.received is not None
-    results = evaluation.evaluate_loss(eval_step, state.params,
-                                       input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size)
-                                       .as_numpy_iterator(), to_global, should_stop=stopping)
+    if eval_dataset is None:  # built once: its bucket boundaries come from encoding 5,000 training pairs
+      eval_dataset = input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size).cache()
+    results = evaluation.evaluate_loss(eval_step, state.params, eval_dataset.as_numpy_iterator(), to_global,
+                                       should_stop=stopping)
     if results is not None and config.num_eval_bleu_sentences > 0:
       if eval_sources is None:
         pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
