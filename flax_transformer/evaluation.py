@@ -87,7 +87,8 @@ def translate_sentences(params, model_config, processor, sentences: list[str], *
 
 def bleu(hypotheses: list[str], references: list[str], tokenize: str = '13a', lowercase: bool = False):
   """sacreBLEU corpus BLEU; returns (score, signature string)."""
-  metric = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
+  # tokenize='none' scores already-tokenized text on purpose: no "forgot to detokenize" warning at every eval.
+  metric = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase, force=tokenize == 'none')
   result = metric.corpus_score(hypotheses, [references])
   return result.score, str(metric.get_signature())
 
