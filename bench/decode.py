@@ -2,7 +2,8 @@
 
 python bench/decode.py   (tiny shape: vocab 8192, d_model 256, 3+3 layers, 4 heads, d_ff 1024, random weights,
 64 sources of 20 tokens, exactly 40 generated tokens per sentence, EOS disabled)
-Prints a markdown table; the last line is one JSON object.
+Prints a markdown table (with each decoder's model GFLOP/s as a fraction of the same run's 2048³ matmul, and the
+sentences/s it would reach at that peak); the last line is one JSON object.
 """
 
 import functools
@@ -19,6 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.train_step import matmul_peak  # noqa: E402
 from flax_transformer import decode  # noqa: E402
 from flax_transformer.model import EOS_ID, Transformer, TransformerConfig  # noqa: E402
 
@@ -63,6 +65,21 @@ def uncached(params, inputs, model, beam_size):
   return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size)[0]
 
 
+def decode_flops(beam_size: int, c: TransformerConfig = CONFIG) -> float:
+  """Model FLOPs of one cached decoding of BATCH sources: the products a KV-cache decoder cannot avoid.
+
+  Encoder once per sentence, the cross-attention keys/values once per sentence, then per hypothesis and step:
+  self-attention q/k/v/o and cross-attention q/o projections, the feed-forward, attention over the prefix
+  and the source, and the output projection over the whole vocabulary.
+  """
+  d, f, v, s = c.d_model, c.d_ff, c.vocab_size, SOURCE_LENGTH
+  encoder = BATCH * (s * c.num_encoder_layers * (4 * d * d + 2 * d * f) + c.num_encoder_layers * 2 * s * s * d)
+  cross_keys_values = BATCH * s * c.num_decoder_layers * 2 * d * d
+  per_step = [c.num_decoder_layers * (6 * d * d + 2 * d * f + 2 * d * (i + 1 + s)) + v * d
+              for i in range(OUTPUT_LENGTH)]
+  return 2.0 * (encoder + cross_keys_values + BATCH * beam_size * sum(per_step))
+
+
 def time_it(fn, *args, repeats=5):
   jax.block_until_ready(fn(*args))
   times = []
@@ -87,14 +104,21 @@ def main():
   assert (tokens > 0).sum(1).min() == OUTPUT_LENGTH, 'every sentence must produce exactly 40 tokens'
   same = np.mean(np.all(tokens == np.asarray(runs['beam 4, no cache (re-run prefix)'](params, inputs)), axis=1))
   seconds = {name: time_it(fn, params, inputs, repeats=3 if 'no cache' in name else 5) for name, fn in runs.items()}
-  print('| decoder | sentences/s | µs per generated token |\n|---|---|---|')
+  peak = matmul_peak(jax, jnp)
+  beams = {name: 1 if 'greedy' in name else 4 for name in runs}
+  print(f'matmul peak {peak:.0f} GFLOP/s (2048³ float32 jit, this run); model FLOPs per {BATCH} sentences: '
+        f'{decode_flops(4) / 1e9:.1f} G at beam 4, {decode_flops(1) / 1e9:.1f} G greedy\n')
+  print('| decoder | sentences/s | µs per generated token | model GFLOP/s | fraction of matmul peak | '
+        'sentences/s at the peak |\n|---|---|---|---|---|---|')
   for name, s in seconds.items():
-    print(f'| {name} | {BATCH / s:,.1f} | {s / (BATCH * OUTPUT_LENGTH) * 1e6:,.1f} |')
+    gflops = decode_flops(beams[name]) / s / 1e9
+    print(f'| {name} | {BATCH / s:,.1f} | {s / (BATCH * OUTPUT_LENGTH) * 1e6:,.1f} | {gflops:.0f} | '
+          f'{gflops / peak:.2f} | {BATCH * peak * 1e9 / decode_flops(beams[name]):,.0f} |')
   beam, greedy, nocache = (BATCH / seconds[k] for k in runs)
-  print(f'| cache speed-up at beam 4 | {beam / nocache:.1f}× | |')
+  print(f'| cache speed-up at beam 4 | {beam / nocache:.1f}× | | | | |')
   print(f'\nbeam 4 with and without the cache give the same output for {same:.0%} of the sentences')
   print(json.dumps({'beam4_sentences_per_second': round(beam, 1), 'greedy_sentences_per_second': round(greedy, 1),
-                    'nocache_beam4_sentences_per_second': round(nocache, 1)}))
+                    'nocache_beam4_sentences_per_second': round(nocache, 1), 'matmul_gflops': round(peak, 1)}))
 
 
 if __name__ == '__main__':

@@ -62,6 +62,20 @@ def matmul_peak(jax, jnp, dtype=None, n: int = 2048) -> float:
   return 2 * n**3 / statistics.median(times) / 1e9
 
 
+def torch_matmul_peak(threads: int, n: int = 2048) -> float:
+  """GFLOP/s of one n×n float32 product in PyTorch (the reference's GEMM library), median of 5."""
+  import torch
+  torch.set_num_threads(threads)
+  a = torch.ones(n, n)
+  a @ a
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    a @ a
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
 def build_ours(s, batch, dtype: str = 'float32', max_len: int = 64):
   """-> (run one step of our jitted train step on `batch`, the jitted step) for shape `s`."""
   import jax
@@ -159,6 +173,7 @@ def main():
   our_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   reference = build_torch(s, batch, args.threads)
   reference()
+  torch_peak = torch_matmul_peak(args.threads)
   our_times, ref_times = [], []
   for _ in range(args.steps):  # alternate so both see the same machine noise
     our_times += timed(ours, 1)
@@ -169,7 +184,8 @@ def main():
   compilations = jitted.jitted._cache_size()
   rows = [('ours (JAX/Flax, jit)', ours_s, f'{our_rss:,.0f}', compilations),
           ('PyTorch nn.Transformer (eager)', ref_s, '', '')]
-  print(f'shape {args.shape}: {s}; matmul peak {peak:.0f} GFLOP/s; median of {args.steps} alternating steps\n')
+  print(f'shape {args.shape}: {s}; matmul peak {peak:.0f} GFLOP/s (2048³ float32 jit; the same product in PyTorch: '
+        f'{torch_peak:.0f}); median of {args.steps} alternating steps\n')
   print('| implementation | step ms | target tokens/s | GFLOP/s | fraction of matmul peak | peak RSS MB | compilations |')
   print('|---|---|---|---|---|---|---|')
   for name, seconds, rss, compiled in rows:
@@ -180,7 +196,8 @@ def main():
   print(json.dumps({'shape': args.shape, 'tokens_per_second': round(tokens / ours_s, 1),
                     'reference_tokens_per_second': round(tokens / ref_s, 1),
                     'peak_fraction': round(flops / ours_s / 1e9 / peak, 3), 'peak_rss_mb': round(our_rss),
-                    'compilations': compilations}))
+                    'compilations': compilations, 'matmul_gflops': round(peak, 1),
+                    'reference_matmul_gflops': round(torch_peak, 1)}))
 
 
 if __name__ == '__main__':
