@@ -49,17 +49,22 @@ def model_flops(s) -> float:
   return 6 * dense * b * t + 3 * attention
 
 
+def _median_gflops(product, n: int) -> float:
+  """GFLOP/s of an n×n×n matrix product, `product()` running one to completion: median of 5 after a warm-up."""
+  product()
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    product()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
 def matmul_peak(jax, jnp, dtype=None, n: int = 2048) -> float:
   """GFLOP/s of one jitted n×n matrix product in `dtype` (default float32), median of 5."""
   a = jnp.ones((n, n), dtype or jnp.float32)
   f = jax.jit(lambda x, y: x @ y)
-  f(a, a).block_until_ready()
-  times = []
-  for _ in range(5):
-    start = time.perf_counter()
-    f(a, a).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / statistics.median(times) / 1e9
+  return _median_gflops(lambda: f(a, a).block_until_ready(), n)
 
 
 def torch_matmul_peak(threads: int, n: int = 2048) -> float:
@@ -67,13 +72,7 @@ def torch_matmul_peak(threads: int, n: int = 2048) -> float:
   import torch
   torch.set_num_threads(threads)
   a = torch.ones(n, n)
-  a @ a
-  times = []
-  for _ in range(5):
-    start = time.perf_counter()
-    a @ a
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / statistics.median(times) / 1e9
+  return _median_gflops(lambda: a @ a, n)
 
 
 def build_ours(s, batch, dtype: str = 'float32', max_len: int = 64):

@@ -51,8 +51,8 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
                       lambda *args, f=train_loop.input_pipeline.eval_batches: built.append(args) or f(*args))
   result = train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
-  evaluations = [json.loads(line) for line in open(os.path.join(workdir, train_loop.METRICS_FILENAME))
-                 if '"eval"' in line]
+  with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:
+    evaluations = [json.loads(line) for line in f if '"eval"' in line]
   assert [e['step'] for e in evaluations] == [3, 6]
   assert len(built) == 1  # the validation batches are built once, not at every evaluation
   assert os.path.exists(os.path.join(workdir, 'sentencepiece.model'))
