@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.label_smoothing = 0.1
   config.warmup_steps = 4000
   config.learning_rate_factor = 1.0  # Multiplies the paper's schedule (1.0 = exactly the paper).
+  config.lr_decay = 'inverse_sqrt'  # The paper's; 'constant' holds the warmup's peak (not in the paper).
   config.cooldown_steps = 0  # > 0: the rate ramps linearly to 0 over the last this-many steps (not in the paper).
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98

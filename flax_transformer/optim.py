@@ -1,26 +1,37 @@
 """§5.3 Optimizer: Adam(β1 0.9, β2 0.98, ε 1e-9) with the warmup + inverse-square-root schedule.
 
-Optional (`config.cooldown_steps` > 0, not in the paper): the schedule is multiplied by a linear ramp from 1
-to 0 over the last `cooldown_steps` of `num_train_steps`, for runs whose length is fixed in advance.
+Optional, not in the paper: `config.lr_decay='constant'` holds the warmup's peak instead of decaying it as
+step^-0.5, and `config.cooldown_steps` > 0 multiplies the schedule by a linear ramp from 1 to 0 over the last
+`cooldown_steps` of `num_train_steps`; together, warmup-hold-cooldown, for runs whose length is fixed in advance.
 """
 
 import jax.numpy as jnp
 import optax
 
 
-def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0):
-  """lrate(step_num) = factor · d_model^-0.5 · min(step_num^-0.5, step_num · warmup^-1.5), step_num from 1."""
+LR_DECAYS = ('inverse_sqrt', 'constant')
+
+
+def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, decay: str = 'inverse_sqrt'):
+  """lrate(step_num) = factor · d_model^-0.5 · min(step_num^-0.5, step_num · warmup^-1.5), step_num from 1.
+
+  decay='constant': the same linear warmup, then the peak factor · d_model^-0.5 · warmup^-0.5 held.
+  """
+  if decay not in LR_DECAYS:
+    raise ValueError(f'decay={decay!r}: must be one of {LR_DECAYS}')
 
   def schedule(step_num):
     step_num = jnp.maximum(jnp.asarray(step_num, jnp.float32), 1.0)
-    return factor * d_model**-0.5 * jnp.minimum(step_num**-0.5, step_num * warmup_steps**-1.5)
+    decayed = step_num**-0.5 if decay == 'inverse_sqrt' else jnp.float32(warmup_steps**-0.5)
+    return factor * d_model**-0.5 * jnp.minimum(decayed, step_num * warmup_steps**-1.5)
 
   return schedule
 
 
 def create_optimizer(config, d_model: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The run config's optimizer and the schedule it follows (indexed by optax's update count, from 0)."""
-  paper_schedule = inverse_sqrt_schedule(d_model, config.warmup_steps, config.learning_rate_factor)
+  paper_schedule = inverse_sqrt_schedule(d_model, config.warmup_steps, config.learning_rate_factor,
+                                         config.get('lr_decay', 'inverse_sqrt'))
   paper = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
   schedule = paper
   if config.cooldown_steps > 0:

@@ -57,6 +57,8 @@ def check_config(config) -> None:
   if not isinstance(config.cooldown_steps, int) or not 0 <= config.cooldown_steps <= config.num_train_steps:
     raise ConfigError(f'config.cooldown_steps={config.cooldown_steps!r}: must be an integer from 0 (no cooldown) '
                       f'to config.num_train_steps={config.num_train_steps}')
+  if config.get('lr_decay', 'inverse_sqrt') not in optim.LR_DECAYS:
+    raise ConfigError(f'config.lr_decay={config.lr_decay!r}: must be one of {", ".join(optim.LR_DECAYS)}')
   if config.keep_checkpoints < config.average_last:
     raise ConfigError(f'config.keep_checkpoints={config.keep_checkpoints} is below config.average_last='
                       f'{config.average_last}; keep at least as many checkpoints as are averaged')

@@ -53,6 +53,26 @@ def test_cooldown_ramps_the_paper_rate_linearly_to_zero(tiny_config):
   assert float(schedule(100)) == 0.0 and float(schedule(99)) > 0.0
 
 
+def test_constant_decay_holds_the_warmup_peak_then_cools_down(tiny_config):
+  tiny_config.num_train_steps, tiny_config.warmup_steps, tiny_config.cooldown_steps = 100, 10, 40
+  tiny_config.lr_decay = 'constant'
+  _, schedule = optim.create_optimizer(tiny_config, 16)
+  peak = 16**-0.5 * 10**-0.5
+  for count in (0, 4, 9, 30, 59, 60, 80, 99):  # the paper's linear warmup, the peak held, then the ramp
+    by_hand = min(peak, 16**-0.5 * (count + 1) * 10**-1.5) * min(1.0, (100 - count) / 40)
+    np.testing.assert_allclose(float(schedule(count)), by_hand, rtol=1e-6)
+  paper = optim.inverse_sqrt_schedule(16, 10)
+  assert float(schedule(9)) == pytest.approx(float(paper(10))) and float(schedule(30)) > float(paper(31)) * 1.5
+
+
+def test_unknown_lr_decay_is_a_config_error(tiny_config):
+  from flax_transformer import train_loop
+  from flax_transformer.errors import ConfigError
+  tiny_config.lr_decay = 'cosine'
+  with pytest.raises(ConfigError, match=r"config.lr_decay='cosine': must be one of inverse_sqrt, constant"):
+    train_loop.check_config(tiny_config)
+
+
 def test_cooldown_longer_than_the_run_is_a_config_error(tiny_config):
   from flax_transformer import train_loop
   from flax_transformer.errors import ConfigError
