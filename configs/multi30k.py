@@ -57,8 +57,8 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.warmup_steps = 150
   config.lr_decay = 'constant'
   config.learning_rate_factor = 0.5  # The held peak: 0.5 · 128^-0.5 · 150^-0.5 = 3.6e-3.
-  # ~51 minutes alone on 2 CPU cores, compilation and evaluations included, also in this machine's slow phases
-  # (at 3,350 target tok/s 6,400 steps were on course for ~63 minutes).
+  # Alone on 2 CPU cores, compilation and evaluations included: 43 minutes on the Intel (AVX-512) machine, ~51
+  # on the AMD (AVX2) one, also in its slow phases (at 3,350 target tok/s 6,400 steps were on course for ~63).
   config.num_train_steps = 5600
   config.cooldown_steps = 1400
   config.checkpoint_every_steps = 250
