@@ -1,6 +1,6 @@
 """Training-step speed: our jitted step vs a PyTorch nn.Transformer reference, alternating, one invocation.
 
-python bench/train_step.py --shape tiny|base|multi30k [--steps 10] [--threads N]
+python bench/train_step.py --shape tiny|base|multi30k [--steps 10] [--threads N] [--batch B] [--length T] [--vocab V]
 
 Shapes (all tokens real, dropout 0.1, Adam(0.9, 0.98, 1e-9), label smoothing 0.1, fp32):
   tiny: vocab 8192, d_model 256, 3+3 layers, 4 heads, d_ff 1024, batch 128 × 32/32
@@ -158,11 +158,15 @@ def main():
   parser.add_argument('--shape', choices=sorted(SHAPES), default='tiny')
   parser.add_argument('--steps', type=int, default=10)
   parser.add_argument('--threads', type=int, default=os.cpu_count())
+  for name in ('batch', 'length', 'vocab'):
+    parser.add_argument(f'--{name}', type=int, help=f"overrides the shape's {name}")
   args = parser.parse_args()
   import jax
   import jax.numpy as jnp
   import numpy as np
-  s = SHAPES[args.shape]
+  s = dict(SHAPES[args.shape], **{k: getattr(args, k) for k in ('batch', 'length', 'vocab') if getattr(args, k)})
+  if s['length'] > 64:
+    parser.error(f'--length={s["length"]}: at most 64 (the position tables are built for 64)')
   rng = np.random.default_rng(0)
   batch = {k: rng.integers(3, s['vocab'], (s['batch'], s['length'])).astype(np.int32) for k in ('inputs', 'targets')}
   peak = matmul_peak(jax, jnp)
@@ -192,7 +196,8 @@ def main():
     print(f'| {name} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {gflops:.0f} | {gflops / peak:.2f} | {rss} | '
           f'{compiled} |')
   print(f'| ratio ours / reference | | {ref_s / ours_s:.2f}× | | | | |')
-  print(json.dumps({'shape': args.shape, 'tokens_per_second': round(tokens / ours_s, 1),
+  print(json.dumps({'shape': args.shape, 'batch': s['batch'], 'length': s['length'], 'vocab': s['vocab'],
+                    'tokens_per_second': round(tokens / ours_s, 1),
                     'reference_tokens_per_second': round(tokens / ref_s, 1),
                     'peak_fraction': round(flops / ours_s / 1e9 / peak, 3), 'peak_rss_mb': round(our_rss),
                     'compilations': compilations, 'matmul_gflops': round(peak, 1),
