@@ -26,13 +26,16 @@ from flax_transformer import tokenizer  # noqa: E402
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', 'shared', 'data', 'multi30k', 'tok')
 
 
-def pieces_per_sentence(data_dir: str, vocab_size: int) -> float:
-  """Mean target pieces a sentence of the train split takes under a joint BPE of `vocab_size`."""
+def read_pairs(data_dir: str) -> tuple[list[str], list[str]]:
+  """The train split's English and German sentences."""
   read = lambda lang: [line.strip() for line in gzip.open(os.path.join(data_dir, f'train.lc.norm.tok.{lang}.gz'), 'rt')]
-  sources, targets = read('en'), read('de')
-  path = os.path.join(tempfile.mkdtemp(), 'spm')
-  tokenizer.train_sentencepiece(zip(sources, targets), path, vocab_size)
-  processor = tokenizer.load(path + '.model' if os.path.exists(path + '.model') else path)
+  return read('en'), read('de')
+
+
+def pieces_per_sentence(sources: list[str], targets: list[str], vocab_size: int) -> float:
+  """Mean pieces a target sentence takes under a joint BPE of `vocab_size` trained on these pairs."""
+  path = tokenizer.train_sentencepiece(zip(sources, targets), os.path.join(tempfile.mkdtemp(), 'spm'), vocab_size)
+  processor = tokenizer.load(path, vocab_size)
   return float(np.mean([len(ids) for ids in processor.encode(targets)]))
 
 
@@ -47,7 +50,8 @@ def main():
   cases = [('batch 64 × 16', base | {'batch': 64}), ('batch 128 × 16 (the config)', base),
            ('batch 256 × 16', base | {'batch': 256}), ('batch 64 × 32', base | {'batch': 64, 'length': 32})]
   cases += [(f'vocab {v}', base | {'vocab': v}) for v in (4000, 8000, 10000) if v != base['vocab']]
-  pieces = {v: pieces_per_sentence(args.data_dir, v) for v in sorted({s['vocab'] for _, s in cases})}
+  sources, targets = read_pairs(args.data_dir)
+  pieces = {v: pieces_per_sentence(sources, targets, v) for v in sorted({s['vocab'] for _, s in cases})}
   runs = []
   for name, shape in cases:
     rng = np.random.default_rng(0)
@@ -72,6 +76,7 @@ def main():
   reference = next(sentences for _, shape, _, _, sentences in results if shape == base)
   for name, _, seconds, tokens_per_second, sentences in results:
     print(f'| {name} | {seconds * 1e3:.1f} | {tokens_per_second:,.0f} | {sentences:,.0f} | {sentences / reference:.2f}× |')
+
 
 if __name__ == '__main__':
   main()
