@@ -34,8 +34,9 @@ def read_pairs(data_dir: str) -> tuple[list[str], list[str]]:
 
 def pieces_per_sentence(sources: list[str], targets: list[str], vocab_size: int) -> float:
   """Mean pieces a target sentence takes under a joint BPE of `vocab_size` trained on these pairs."""
-  path = tokenizer.train_sentencepiece(zip(sources, targets), os.path.join(tempfile.mkdtemp(), 'spm'), vocab_size)
-  processor = tokenizer.load(path, vocab_size)
+  with tempfile.TemporaryDirectory() as scratch:
+    path = tokenizer.train_sentencepiece(zip(sources, targets), os.path.join(scratch, 'spm'), vocab_size)
+    processor = tokenizer.load(path, vocab_size)
   return float(np.mean([len(ids) for ids in processor.encode(targets)]))
 
 
