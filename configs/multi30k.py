@@ -45,7 +45,8 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   config.max_corpus_chars = 20_000_000  # The whole corpus.
   # Per-step progress early on hardly depends on batch size: more, smaller steps. Smaller still, 1,024-token
   # batches (14,400 steps, warmup 300: peak 2.55e-3, cooldown 3,600; `tok/`) led at equal tokens early (val ppl
-  # 9.33 against 9.93 after 2M), were level by 7M and behind at the end (5.03 against 4.93; val BLEU 40.66 against 41.13).
+  # 9.33 against 9.93 after 2M), were level by 7M and behind at the end (5.03 against 4.93; val BLEU 40.66
+  # against 41.13).
   config.tokens_per_batch = 2048
   config.eval_tokens_per_batch = 8192
   # One shape per bucket (each shape is a ~9 s compilation here): 12 shapes, 90.0% real tokens, against
