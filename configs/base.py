@@ -44,10 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.max_corpus_chars = 10_000_000  # Characters sampled to train the vocabulary.
   config.max_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.
   config.eval_max_length = 256  # Longest eval sentence kept whole; longer ones are truncated and counted.
-  config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch.
+  config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch (global: all processes and devices).
   config.eval_tokens_per_batch = 8192  # Per-batch token budget for evaluation and decoding.
-  config.shuffle_buffer_size = 100_000
-  config.cache_tokenized = False  # True: tokenise the training split once and keep its ids in memory.
   config.num_bucket_boundaries = 16  # Length buckets: a bounded number of compiled shapes.
   config.bucket_shapes = 'pairs'  # 3 shapes per bucket, each side padded to its own; 'longer_side': 1 shape.
 
@@ -64,6 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = 100_000  # §5.2: 100k steps for base.
   config.gradient_accumulation_steps = 1  # Reach 25k-token batches on fewer devices.
   config.seed = 0
+  config.restore_data_state = True  # False: a resumed run restarts the data stream (e.g. after changing the process count).
   config.dropout_rng_impl = 'rbg'  # Key generator for dropout seeds (and for every mask when model.dropout_masks='random').
 
   # --- Checkpoints, evaluation, logging ---

@@ -54,8 +54,6 @@ def get_config(data_dir: str = MULTI30K_DIR, suffix: str = '{lang}.gz'):
   # 22 shapes and 91.3% with 8 buckets of 3 shapes ('pairs'). Plus a rarely used catch-all up to max_length.
   config.bucket_shapes = 'longer_side'
   config.num_bucket_boundaries = 12
-  config.shuffle_buffer_size = 30_000
-  config.cache_tokenized = True  # 29k pairs: tokenised once, not every epoch.
 
   # Post-LN at this width learns faster with a lower peak: val ppl at steps 500 / 1000 (dropout 0.1) with
   # learning_rate_factor 1.0 → 133 / -, 0.6 → 43.9 / 19.0, 0.35 → 36.0 / 16.0, 0.25 → 38.7 / -.

@@ -17,7 +17,6 @@ def get_config():
   config.max_corpus_chars = 100_000
   config.tokens_per_batch = 256
   config.eval_tokens_per_batch = 256
-  config.shuffle_buffer_size = 1000
   config.num_bucket_boundaries = 4
   config.warmup_steps = 10
   config.num_train_steps = 20

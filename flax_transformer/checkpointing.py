@@ -1,14 +1,15 @@
 """Orbax checkpoints: save/restore the train state, restore parameters alone onto any mesh, average.
 
 Layout of a workdir:
-  checkpoints/<step>/{params,opt_state,meta}   Orbax items (written to a temporary name, then renamed:
-                                                a crash never leaves a half-written checkpoint)
-  data_state/<step>.*                          the tf.data iterator at that step (exact resume)
+  checkpoints/<step>/{params,opt_state,data}   Orbax items, committed together (written to a temporary
+                                                name, then renamed: a crash never leaves a half-written
+                                                checkpoint); data/process_<i>.json is process i's
+                                                data-iterator state at that step (exact resume)
   config.json, sentencepiece.model             the run's configuration and vocabulary
 """
 
+import dataclasses
 import json
-import logging
 import os
 import socket
 
@@ -17,10 +18,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
-from flax_transformer.errors import WorkdirError
+from flax_transformer.errors import UserError, WorkdirError
 
 CHECKPOINT_DIR = 'checkpoints'
-DATA_STATE_DIR = 'data_state'
 CONFIG_FILENAME = 'config.json'
 
 
@@ -34,11 +34,53 @@ def create_manager(workdir: str, keep: int, asynchronous: bool = True) -> ocp.Ch
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
 
 
-def save_state(manager: ocp.CheckpointManager, state) -> None:
-  """Starts an (asynchronous) save of parameters and optimizer state at `state.step`."""
+class DataStateMismatch(UserError):
+  """A checkpoint's data-iterator state that does not fit this run's processes."""
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+  """Orbax handler of the `data` item: each process writes and reads its own `process_<i>.json`."""
+
+  def save(self, directory, args: 'DataStateSave'):
+    state = {**args.state, 'process_count': jax.process_count()}
+    (directory / f'process_{jax.process_index()}.json').write_text(json.dumps(state))
+
+  def restore(self, directory, args: 'DataStateRestore' = None) -> dict:
+    count = len(list(directory.glob('process_*.json')))
+    if count != jax.process_count():
+      raise DataStateMismatch(f'checkpoint {directory.parent.name} holds the data-iterator state of {count} '
+                              f'processes but this run has {jax.process_count()}; rerun with '
+                              f'--config.restore_data_state=false to restart the data stream')
+    return json.loads((directory / f'process_{jax.process_index()}.json').read_text())
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+  state: dict
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+  pass
+
+
+def save_state(manager: ocp.CheckpointManager, state, data_state: dict | None = None) -> None:
+  """Starts an (asynchronous) save of parameters, optimizer state and this process's data state at
+  `state.step`; they commit as one checkpoint."""
   step = int(jax.device_get(state.step))
-  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(state.params),
-                                             opt_state=ocp.args.StandardSave(state.opt_state)))
+  items = {'params': ocp.args.StandardSave(state.params), 'opt_state': ocp.args.StandardSave(state.opt_state)}
+  if data_state is not None:
+    items['data'] = DataStateSave(data_state)
+  manager.save(step, args=ocp.args.Composite(**items))
+
+
+def restore_data_state(manager: ocp.CheckpointManager, step: int) -> dict | None:
+  """This process's data-iterator state saved with checkpoint `step`, or None if it has none."""
+  if not os.path.isdir(os.path.join(str(manager.directory), str(step), 'data')):
+    return None
+  return manager.restore(step, args=ocp.args.Composite(data=DataStateRestore()))['data']
 
 
 def _abstract(tree, shardings):
@@ -96,31 +138,7 @@ def save_params(directory: str, step: int, params) -> None:
     manager.wait_until_finished()
 
 
-# --- Data iterator and run configuration -------------------------------------------------------
-
-def save_data_state(workdir: str, step: int, iterator, keep_steps: list[int]) -> None:
-  """Saves the tf.data iterator position at `step` and removes those of checkpoints no longer kept."""
-  directory = os.path.join(workdir, DATA_STATE_DIR)
-  tf.io.gfile.makedirs(directory)
-  try:
-    tf.train.Checkpoint(iterator=iterator).write(os.path.join(directory, str(step)))
-  except tf.errors.UnimplementedError as error:  # e.g. a generator-backed source (tfds mock data)
-    logging.warning('the data iterator cannot be checkpointed (%s); a resumed run restarts the data order',
-                    str(error).splitlines()[0][:200])
-    return
-  keep = {str(s) for s in keep_steps} | {str(step)}
-  for name in tf.io.gfile.listdir(directory):
-    if name.split('.')[0] not in keep:
-      tf.io.gfile.remove(os.path.join(directory, name))
-
-
-def restore_data_state(workdir: str, step: int, iterator) -> bool:
-  path = os.path.join(workdir, DATA_STATE_DIR, str(step))
-  if not tf.io.gfile.exists(path + '.index'):
-    return False
-  tf.train.Checkpoint(iterator=iterator).read(path).assert_consumed()
-  return True
-
+# --- Run configuration -------------------------------------------------------
 
 def check_workdir(workdir: str, config) -> None:
   """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""

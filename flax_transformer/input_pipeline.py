@@ -3,17 +3,31 @@
 Two sources behind one interface: a tfds dataset (`config.dataset='wmt14_translate/de-en'`) or
 plain/.gz text files, one sentence a line (`config.dataset='files'`).
 
-Training batches: pairs are grouped by length bucket (`config.bucket_shapes`: 'pairs' pads each side
-to its own bucket, 3 shapes per bucket of the longer side; 'longer_side' pads both sides to the longer
-side's bucket, 1 shape per bucket: more padding, a third of the compilations); each group's batch size is
-the largest multiple of the data-parallel size that keeps `batch × padded length` within this
-host's share of `tokens_per_batch` on *both* sides, so every batch fits the budget and the set of
-shapes (each one an XLA compilation) is small and fixed. Evaluation batches keep every sentence,
-in order; the last batch is filled with all-padding rows (weight 0).
+Training, on one process or many. Each data shard (the processes that feed the same rows of the global
+batch; one per host on a data-parallel mesh) tokenises its 1/shards of the split once into an in-memory
+table. The shards' joint (source, target) length histograms are summed, and from that global histogram
+every process computes the same `bucketing.BatchPlan`: boundaries, shapes (`config.bucket_shapes`:
+'pairs' or 'longer_side'), global batch sizes within `config.tokens_per_batch` and draw weights. The
+shape of step t is drawn from one seeded sequence shared by every process (`tf.random.stateless_uniform`
+at (seed, t), weighted by each shape's batches per epoch), and each shard fills it from its own rows of
+that shape, reshuffled every epoch by `tf.random.experimental.index_shuffle`
+(`tf.data.Dataset.choose_from_datasets` over one stream per shape). So at every step every process
+builds a batch of the same shape, and the global batch is one array of one compiled program.
+
+Why this and not packing to one fixed shape: it keeps the paper's batches (§5.1: sentence pairs batched
+by approximate length, no sentence split or concatenated) and the model's plain padding masks, at the
+cost of a few compiled shapes; packing would need segment-aware attention masks and positions.
+
+The iterator's state is a handful of integers (the step and each shape's batch position), saved per
+process with each checkpoint; resume is exact. `tokens_per_batch` is the global batch (the paper's
+~25,000 source and ~25,000 target tokens), split across shards and devices.
+
+Evaluation: every process reads the whole split and builds the same batches in file order (the last one
+padded with all-padding rows, weight 0), so the global evaluation batch is the same on every process.
 
 Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
 """
-
+import dataclasses
 import gzip
 import json
 import os
@@ -23,6 +37,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from flax_transformer import bucketing
 from flax_transformer.errors import UserError
 
 PAD_ID, EOS_ID = 0, 1
@@ -99,248 +114,286 @@ def _tfds_split(config, split: str) -> str:
   return {'train': config.train_split, 'eval': config.eval_split, 'test': config.test_split}[split]
 
 
-def text_pairs(config, split: str, shard: bool = True) -> tf.data.Dataset:
+def text_pairs(config, split: str, shard: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
   """(source, target) string pairs of `split` ('train', 'eval' or 'test'), in file order.
 
-  With `shard`, each process reads its own 1/process_count of the split (multi-host).
+  shard = (index, count): every count-th pair from the index-th, so the shards are disjoint and cover the
+  split. (Each process reads the whole split once, at start-up, and tokenises only its shard.)
   """
+  index, count = shard
   if config.dataset == 'files':
     sources, targets = read_parallel_files(*_split_paths(config, split))
     dataset = tf.data.Dataset.from_tensor_slices((sources, targets))
-    if shard and jax.process_count() > 1:
-      dataset = dataset.shard(jax.process_count(), jax.process_index())
-    return dataset
-  import tensorflow_datasets as tfds
-  builder = _tfds_builder(config)
-  tfds_split = _tfds_split(config, split)
-  if shard and jax.process_count() > 1:
-    tfds_split = tfds.split_for_jax_process(tfds_split)
-  try:
-    dataset = builder.as_dataset(split=tfds_split, shuffle_files=False)
-  except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
-    raise _not_prepared(config, builder) from None
-  return dataset.map(lambda ex: (ex[config.source_lang], ex[config.target_lang]),
-                     num_parallel_calls=tf.data.AUTOTUNE)
+  else:
+    builder = _tfds_builder(config)
+    try:
+      dataset = builder.as_dataset(split=_tfds_split(config, split), shuffle_files=False)
+    except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
+      raise _not_prepared(config, builder) from None
+    dataset = dataset.map(lambda ex: (ex[config.source_lang], ex[config.target_lang]))
+  return dataset.shard(count, index) if count > 1 else dataset
 
 
 def python_pairs(config, split: str = 'train'):
   """Iterator of (source, target) Python strings, e.g. to train the vocabulary."""
-  for source, target in text_pairs(config, split, shard=False).as_numpy_iterator():
+  for source, target in text_pairs(config, split).as_numpy_iterator():
     yield source.decode('utf-8'), target.decode('utf-8')
 
 
-# --- Tokenisation and bucketing --------------------------------------------------------------
+# --- Tokenisation into in-memory tables ----------------------------------------------------------
 
-def tokenize(dataset: tf.data.Dataset, vocab_path: str) -> tf.data.Dataset:
-  """String pairs -> {'inputs', 'targets'} int32 id vectors ending in EOS, with tensorflow-text's op."""
+def tokenize(dataset: tf.data.Dataset, vocab_path: str, batch_size: int = 1024) -> tf.data.Dataset:
+  """String pairs -> batches of (source, target) ragged int32 ids ending in EOS, with tensorflow-text's op."""
   import tensorflow_text as tf_text
   model = tf.io.gfile.GFile(vocab_path, 'rb').read()
   tokenizer = tf_text.SentencepieceTokenizer(model=model, add_eos=True)
-
-  def encode(source, target):
-    return {'inputs': tokenizer.tokenize(source), 'targets': tokenizer.tokenize(target)}
-
   # Batched so one op call encodes many sentences; parallel across cores.
-  dense = lambda example: {k: v.to_tensor() if isinstance(v, tf.RaggedTensor) else v for k, v in example.items()}
-  return (dataset.batch(256).map(encode, num_parallel_calls=tf.data.AUTOTUNE)
-          .unbatch().map(dense))
+  return (dataset.batch(batch_size)
+          .map(lambda s, t: (tokenizer.tokenize(s), tokenizer.tokenize(t)), num_parallel_calls=tf.data.AUTOTUNE))
 
 
-def bucket_boundaries(lengths: np.ndarray, count: int, max_length: int) -> list[int]:
-  """`count` padded lengths that minimise the padding of the sampled `lengths`, plus `max_length`.
+@dataclasses.dataclass
+class Side:
+  """One side of a table: the ids of every row, concatenated, and each row's length."""
+  values: np.ndarray  # [total tokens] uint16 (vocabularies up to 65,536) or int32
+  lengths: np.ndarray  # [rows] int64
 
-  Dynamic programming over the length histogram: cost[k][b] is the least padding of all lengths <= b
-  with k boundaries, the last at b. Boundaries land where the data is dense, so few shapes pad little.
-  The DP ends at the longest sampled length; when that is below `max_length`, `max_length` is appended
-  as a catch-all bucket for rarer, longer pairs the sample missed (compiled only if such a batch comes):
-  Multi30k's longest pair is ~55 tokens, and padding its tail to max_length=100 wasted ~5% of a step.
+  def select(self, keep: np.ndarray) -> 'Side':
+    return Side(self.values[np.repeat(keep, self.lengths)], self.lengths[keep])
+
+  def ragged(self) -> tf.RaggedTensor:  # [rows, None]
+    return tf.RaggedTensor.from_row_lengths(self.values, self.lengths)
+
+  def padded(self, rows: np.ndarray, length: int) -> np.ndarray:
+    """Rows `rows` as a [len(rows), length] int32 array, right-padded with PAD_ID."""
+    starts = np.concatenate([[0], np.cumsum(self.lengths)])
+    out = np.full((len(rows), length), PAD_ID, np.int32)
+    for row, i in enumerate(rows):
+      out[row, :self.lengths[i]] = self.values[starts[i]:starts[i + 1]]
+    return out
+
+
+@dataclasses.dataclass
+class TokenTable:
+  """Sentence pairs as ids (EOS included), held in memory: one shard of a split."""
+  sources: Side
+  targets: Side
+  dropped: int = 0  # pairs over the length limit on either side, left out
+
+  def __len__(self) -> int:
+    return len(self.sources.lengths)
+
+  def histogram(self, max_length: int) -> np.ndarray:
+    """[max_length + 1, max_length + 1] pairs of each (source length, target length)."""
+    cells = self.sources.lengths * (max_length + 1) + self.targets.lengths
+    return np.bincount(cells, minlength=(max_length + 1) ** 2).reshape(max_length + 1, max_length + 1)
+
+
+def token_table(dataset: tf.data.Dataset, vocab_path: str, max_length: int, truncate: bool = False) -> TokenTable:
+  """Tokenises string pairs into a table. Pairs with a side over `max_length` tokens are dropped and
+  counted, or with `truncate` cut to `max_length` tokens ending in EOS (evaluation: every sentence kept)."""
+  parts = {'sources': ([], []), 'targets': ([], [])}
+  for batch in tokenize(dataset, vocab_path):
+    for (values, lengths), ragged in zip(parts.values(), batch):
+      values.append(ragged.flat_values.numpy())
+      lengths.append(ragged.row_lengths().numpy())
+  sides = {}
+  for name, (values, lengths) in parts.items():
+    values = np.concatenate(values) if values else np.zeros([0], np.int32)
+    dtype = np.uint16 if values.size == 0 or values.max() < 2 ** 16 else np.int32
+    sides[name] = Side(values.astype(dtype), np.concatenate(lengths).astype(np.int64) if lengths else
+                       np.zeros([0], np.int64))
+  table = TokenTable(**sides)
+  too_long = (table.sources.lengths > max_length) | (table.targets.lengths > max_length)
+  if not truncate:
+    return TokenTable(table.sources.select(~too_long), table.targets.select(~too_long), int(too_long.sum()))
+  for side in (table.sources, table.targets):
+    starts = np.concatenate([[0], np.cumsum(side.lengths)])[:-1]
+    keep = np.arange(side.values.size) - np.repeat(starts, side.lengths) < max_length - 1  # first max_length-1 ids
+    keep[np.cumsum(side.lengths) - 1] = True  # and the EOS
+    side.values, side.lengths = side.values[keep], np.minimum(side.lengths, max_length)
+  return table
+
+
+# --- Training batches ------------------------------------------------------------------------
+
+def _schedule_seed(seed: int, stream: int) -> int:
+  """The stateless seed of one random stream of a run: 0 draws the shapes, k + 1 shuffles shape k."""
+  return (int(seed) % 2 ** 31) * 2 ** 16 + stream
+
+
+def initial_state(plan: bucketing.BatchPlan, shard: tuple[int, int], seed: int, step: int = 0) -> dict:
+  """The data state of a stream that starts at `step` with every shape at its first batch."""
+  return {'step': step, 'positions': [0] * len(plan.batch_sizes), 'seed': int(seed), 'shard': list(shard),
+          'plan': plan.fingerprint()}
+
+
+def _shape_stream(sources: tf.RaggedTensor, targets: tf.RaggedTensor, rows: np.ndarray,
+                  shape: int, plan: bucketing.BatchPlan, shard_count: int, seed: int, start: int,
+                  repeat: bool) -> tf.data.Dataset:
+  """This shard's batches of one shape: its rows in a fresh random order every epoch, `batch` at a time."""
+  batch = plan.batch_sizes[shape] // shard_count
+  source_length, target_length = plan.source_lengths[shape], plan.target_lengths[shape]
+  n = len(rows)
+  rows = tf.constant(rows, tf.int64)
+  shuffle_seed = _schedule_seed(seed, shape + 1)
+
+  def make(position):  # position: the batch's number in this shape's stream
+    element = position * batch + tf.range(batch, dtype=tf.int64)  # [batch] places in the endless stream
+    if n == 0:  # this shard holds no pair of this shape: a batch of padding (weight 0)
+      inputs = tf.zeros([batch, source_length], tf.int32)
+      outputs = tf.zeros([batch, target_length], tf.int32)
+    else:
+      epoch, place = element // n, element % n
+      seeds = tf.stack([tf.fill([batch], tf.constant(shuffle_seed, tf.int64)), epoch, tf.zeros_like(epoch)],
+                       axis=1)  # [batch, 3]: epoch e of this shape is permutation (seed, e)
+      # The raw op: the public wrapper mis-pads per-row seeds.
+      permuted = tf.raw_ops.RandomIndexShuffle(index=place, seed=seeds, max_index=tf.fill([batch], np.int64(n - 1)),
+                                               rounds=4)  # [batch]
+      picked = tf.gather(rows, permuted)
+      valid = tf.cast(element < n, tf.int32)[:, None] if not repeat else 1  # [batch, 1]: an epoch's last batch
+      inputs = tf.cast(tf.gather(sources, picked).to_tensor(shape=[batch, source_length]), tf.int32) * valid
+      outputs = tf.cast(tf.gather(targets, picked).to_tensor(shape=[batch, target_length]), tf.int32) * valid
+    return {'inputs': inputs, 'targets': outputs, 'shape': tf.constant(shape, tf.int64), 'position': position}
+
+  positions = tf.data.Dataset.counter(start) if repeat else tf.data.Dataset.range(-(-n // batch))
+  return positions.map(make, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+class TrainBatches:
+  """Iterator of one process's training batches {'inputs': [B, S], 'targets': [B, T]} int32 numpy.
+
+  `state()` is the position after the last batch returned; `train_batches(..., state=that)` continues
+  exactly from there.
   """
-  if count < 1:
-    raise DataError(f'config.num_bucket_boundaries={count}: must be at least 1')
-  longest = int(min(max_length, max(1, np.max(lengths, initial=1))))
-  if longest < max_length:
-    return bucket_boundaries(lengths, count, longest) + [max_length]
-  histogram = np.bincount(np.minimum(np.asarray(lengths, np.int64), max_length), minlength=max_length + 1)
-  n_upto = np.cumsum(histogram)  # examples of length <= b
-  sum_upto = np.cumsum(histogram * np.arange(max_length + 1))  # total length of those
-  def padding(a, b):  # pad lengths in (a, b] up to b
-    return b * (n_upto[b] - n_upto[a]) - (sum_upto[b] - sum_upto[a])
-  inf = float('inf')
-  cost = [[inf] * (max_length + 1) for _ in range(count + 1)]
-  parent = [[0] * (max_length + 1) for _ in range(count + 1)]
-  cost[0][0] = 0.0
-  for k in range(1, count + 1):
-    for b in range(1, max_length + 1):
-      for a in range(0, b):
-        if cost[k - 1][a] < inf:
-          c = cost[k - 1][a] + padding(a, b)
-          if c < cost[k][b]:
-            cost[k][b], parent[k][b] = c, a
-  k = min(range(1, count + 1), key=lambda k: (cost[k][max_length], k))
-  boundaries, b = [], max_length
-  while k > 0 and b > 0:
-    boundaries.append(b)
-    b, k = parent[k][b], k - 1
-  return sorted(set(boundaries))
+
+  def __init__(self, dataset: tf.data.Dataset, state: dict, plan: bucketing.BatchPlan):
+    self._iterator = iter(dataset)
+    self._state = {**state, 'positions': list(state['positions'])}
+    self.plan = plan
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    batch = next(self._iterator)
+    self._state['step'] += 1
+    self._state['positions'][int(batch['shape'])] = int(batch['position']) + 1
+    return {'inputs': batch['inputs'].numpy(), 'targets': batch['targets'].numpy()}
+
+  def state(self) -> dict:
+    return {**self._state, 'positions': list(self._state['positions'])}
 
 
-BUCKET_SHAPES = ('pairs', 'longer_side')
+def train_batches(table: TokenTable, plan: bucketing.BatchPlan, shard: tuple[int, int] = (0, 1), seed: int = 0,
+                  state: dict | None = None, repeat: bool = True) -> TrainBatches:
+  """This shard's training batches under `plan`: at step t the shape every shard draws, filled from `table`.
 
-
-def _check_bucket_shapes(mode: str) -> None:
-  if mode not in BUCKET_SHAPES:
-    raise DataError(f"config.bucket_shapes={mode!r} is not one of {', '.join(BUCKET_SHAPES)}")
-
-
-def bucket_shapes(boundaries: list[int], mode: str = 'pairs') -> tuple[np.ndarray, np.ndarray]:
-  """Padded (source, target) lengths of the shapes of bucket m of the longer side.
-
-  'pairs', 3 shapes per bucket: shape 3m has both sides in bucket m; 3m+1: target in m, source shorter
-  (padded to bucket m-1); 3m+2: source in m, target shorter. 'longer_side': shape m pads both sides to
-  bucket m.
+  repeat=False gives one epoch of this shard (every pair once, the last batch of each shape padded with
+  empty rows) for inspection; its batch count depends on the shard, so only `repeat` runs on many processes.
   """
-  b = list(boundaries)
-  if mode == 'longer_side':
-    return np.array(b), np.array(b)
-  source, target = [], []
-  for m, length in enumerate(b):
-    shorter = b[m - 1] if m else length
-    source += [length, shorter, length]
-    target += [length, length, shorter]
-  return np.array(source), np.array(target)
+  state = state or initial_state(plan, shard, seed)
+  shapes = bucketing.shape_index(table.sources.lengths, table.targets.lengths, plan.boundaries, plan.mode)
+  order = np.argsort(shapes, kind='stable')
+  rows = np.split(order, np.searchsorted(shapes[order], np.arange(1, len(plan.batch_sizes))))
+  with tf.device('/CPU:0'):
+    sources, targets = table.sources.ragged(), table.targets.ragged()
+  streams = [_shape_stream(sources, targets, rows[k], k, plan, shard[1], state['seed'],
+                           state['positions'][k], repeat) for k in range(len(plan.batch_sizes))]
+  thresholds = tf.constant(plan.thresholds, tf.int64)
+  schedule_seed = _schedule_seed(state['seed'], 0)
 
+  def draw(step):  # the shape of `step`: the same on every process
+    u = tf.random.stateless_uniform([], tf.stack([tf.constant(schedule_seed, tf.int64), step]), minval=0,
+                                    maxval=thresholds[-1], dtype=tf.int64)
+    return tf.searchsorted(thresholds, u[None], side='right', out_type=tf.int64)[0]
 
-def bucket_batch_sizes(boundaries: list[int], tokens_per_batch: int, multiple: int, mode: str = 'pairs') -> np.ndarray:
-  """Batch size per shape of `bucket_shapes`: the most rows within budget on both sides, a multiple of `multiple`."""
-  longer = np.maximum(*bucket_shapes(boundaries, mode))
-  sizes = tokens_per_batch // longer // multiple * multiple
-  if sizes.min() < multiple:
-    raise DataError(f'config.tokens_per_batch={tokens_per_batch} (per host) cannot hold {multiple} sentences of '
-                    f'{boundaries[-1]} tokens (the data-parallel size times gradient accumulation steps); '
-                    f'raise it to at least {multiple * boundaries[-1]} or lower config.max_length')
-  return sizes
-
-
-def _bucket_index(lengths: tf.Tensor, boundaries: tf.Tensor) -> tf.Tensor:
-  return tf.cast(tf.reduce_sum(tf.cast(lengths > boundaries, tf.int32)), tf.int64)
-
-
-def bucket_by_length(dataset: tf.data.Dataset, boundaries: list[int], batch_sizes: np.ndarray,
-                     mode: str = 'pairs') -> tf.data.Dataset:
-  """Groups tokenised pairs into fixed-shape padded batches (see `bucket_shapes`)."""
-  boundary_tensor = tf.constant(boundaries, tf.int32)
-  source_lengths, target_lengths = (tf.constant(x, tf.int32) for x in bucket_shapes(boundaries, mode))
-  sizes = tf.constant(batch_sizes, tf.int64)
-
-  def key(example):
-    i = _bucket_index(tf.shape(example['inputs'])[0], boundary_tensor)
-    j = _bucket_index(tf.shape(example['targets'])[0], boundary_tensor)
-    m = tf.maximum(i, j)
-    if mode == 'longer_side':
-      return m
-    return 3 * m + tf.where(i == j, tf.constant(0, tf.int64), tf.where(j > i, tf.constant(1, tf.int64),
-                                                                        tf.constant(2, tf.int64)))
-
-  def reduce(shape, window):
-    batch = tf.gather(sizes, shape)
-    padded = {'inputs': [tf.gather(source_lengths, shape)], 'targets': [tf.gather(target_lengths, shape)]}
-    batched = window.padded_batch(batch, padded_shapes=padded)
-    # A final partial window (end of an epoch) is filled with padding rows: same shapes, weight 0.
-    return batched.map(lambda b: {k: tf.pad(v, [[0, batch - tf.shape(v, out_type=tf.int64)[0]], [0, 0]])
-                                  for k, v in b.items()})
-
-  return dataset.group_by_window(key, reduce, window_size_func=lambda shape: tf.gather(sizes, shape))
-
-
-def sample_lengths(config, vocab_path: str, num_pairs: int = 50_000) -> np.ndarray:
-  """max(source, target) token counts of the first `num_pairs` training pairs (the same on every host)."""
-  import sentencepiece as spm
-  processor = spm.SentencePieceProcessor(model_file=vocab_path)
-  sources, targets = [], []
-  for source, target in python_pairs(config, 'train'):
-    sources.append(source)
-    targets.append(target)
-    if len(sources) >= num_pairs:
-      break
-  source_ids = processor.encode(sources, num_threads=os.cpu_count() or 1)
-  target_ids = processor.encode(targets, num_threads=os.cpu_count() or 1)
-  return np.array([max(len(s), len(t)) + 1 for s, t in zip(source_ids, target_ids)])  # +1: EOS
-
-
-class DroppedCounter:
-  """Counts pairs dropped for length inside the tf.data graph (read with `.value`)."""
-
-  def __init__(self):
-    with tf.device('/CPU:0'):
-      self.variable = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-  @property
-  def value(self) -> int:
-    return int(self.variable.numpy())
-
-
-def train_batches(config, vocab_path: str, data_parallel_size: int = 1, repeat: bool = True,
-                  seed: int | None = None, dropped: DroppedCounter | None = None) -> tf.data.Dataset:
-  """Shuffled, length-bucketed training batches {'inputs': [B, S], 'targets': [B, T]} int32 of this host.
-
-  Pairs with more than `config.max_length` tokens on either side are dropped and counted in `dropped`.
-  """
-  seed = config.seed if seed is None else seed
-  dropped = dropped or DroppedCounter()
-  max_length = config.max_length
-
-  def short_enough(example):
-    keep = tf.logical_and(tf.shape(example['inputs'])[0] <= max_length,
-                          tf.shape(example['targets'])[0] <= max_length)
-    dropped.variable.assign_add(tf.cast(tf.logical_not(keep), tf.int64))
-    return keep
-
-  dataset = text_pairs(config, 'train')
-  if config.cache_tokenized:  # tokenised once, held in memory; the shuffled order is the same either way
-    dataset = tokenize(dataset, vocab_path).cache()
-  dataset = dataset.shuffle(config.shuffle_buffer_size, seed=seed, reshuffle_each_iteration=True)
   if repeat:
-    dataset = dataset.repeat()
-  if not config.cache_tokenized:
-    dataset = tokenize(dataset, vocab_path)
-  dataset = dataset.filter(short_enough)
-  boundaries = bucket_boundaries(sample_lengths(config, vocab_path), config.num_bucket_boundaries, max_length)
-  multiple = data_parallel_size * config.gradient_accumulation_steps // jax.process_count() or 1
-  host_tokens = config.tokens_per_batch // jax.process_count()
-  mode = config.bucket_shapes
-  _check_bucket_shapes(mode)
-  batches = bucket_by_length(dataset, boundaries, bucket_batch_sizes(boundaries, host_tokens, multiple, mode), mode)
+    dataset = tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.counter(state['step']).map(draw))
+  else:  # one epoch of this shard: the shapes mixed in proportion to their batches left
+    weights = [-(-len(r) // (size // shard[1])) for r, size in zip(rows, plan.batch_sizes)]
+    dataset = tf.data.Dataset.sample_from_datasets(streams, [w / sum(weights) for w in weights], seed=state['seed'],
+                                                   stop_on_empty_dataset=False)
   options = tf.data.Options()
-  options.deterministic = True  # Same seed, same batch sequence (exact resume depends on it).
-  # The iterator can be checkpointed: the dropped-pairs counter is a statistic, not part of the data state.
-  options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
-  return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
+  options.deterministic = True  # Same seed and state, same batch sequence (exact resume depends on it).
+  return TrainBatches(dataset.with_options(options).prefetch(tf.data.AUTOTUNE), state, plan)
 
 
-def eval_batches(config, vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> tf.data.Dataset:
-  """Every sentence pair of `split`, in order, in batches of fixed size padded to bucket lengths.
+def train_table(config, vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
+  """One shard of the training split, tokenised; a shard with no usable pair is a one-line error."""
+  table = token_table(text_pairs(config, 'train', shard), vocab_path, config.max_length)
+  if not len(table):
+    raise DataError(f'training data shard {shard[0]} of {shard[1]} holds no sentence pair of at most '
+                    f'config.max_length={config.max_length} tokens ({table.dropped} longer ones dropped); '
+                    f'use a larger training split or fewer data shards, or raise config.max_length')
+  return table
 
-  Sentences longer than `config.eval_max_length` tokens are truncated (keeping the EOS).
+
+def train_plan(config, histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.BatchPlan:
+  """The batch plan of a global length histogram; global batch sizes are multiples of data-parallel × k."""
+  return bucketing.make_plan(histogram, dropped, config.num_bucket_boundaries, config.tokens_per_batch,
+                             data_parallel_size * config.gradient_accumulation_steps, config.bucket_shapes)
+
+
+def _sum_over_shards(values: np.ndarray, shard: tuple[int, int]) -> np.ndarray:
+  """The sum of an int vector over the data shards (each counted once), identical on every process."""
+  if jax.process_count() == 1:
+    return values
+  from jax.experimental import multihost_utils
+  gathered = np.asarray(multihost_utils.process_allgather(np.concatenate([[shard[0]], values]).astype(np.int32)))
+  _, first = np.unique(gathered[:, 0], return_index=True)
+  if len(first) != shard[1]:
+    raise DataError(f'the processes report {len(first)} data shards, expected {shard[1]}')
+  return gathered[first, 1:].astype(np.int64).sum(0)
+
+
+def process_train_batches(config, vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
+                          seed: int, state: dict | None = None) -> TrainBatches:
+  """This process's training batches in a run of any number of processes (collective: call on all)."""
+  table = train_table(config, vocab_path, shard)
+  size = config.max_length + 1
+  totals = _sum_over_shards(np.concatenate([[table.dropped], table.histogram(config.max_length).ravel()]), shard)
+  plan = train_plan(config, totals[1:].reshape(size, size), int(totals[0]), data_parallel_size)
+  if jax.process_count() > 1:  # every process must hold the same plan, or the batch shapes differ
+    from jax.experimental import multihost_utils
+    fingerprint = np.frombuffer(bytes.fromhex(plan.fingerprint()), np.int32)
+    if not (np.asarray(multihost_utils.process_allgather(fingerprint)) == fingerprint).all():
+      raise DataError('the processes computed different batch plans; run every process with the same config, '
+                      'data and vocabulary')
+  if state is not None and (state.get('shard') != list(shard) or state.get('plan') != plan.fingerprint()):
+    raise DataError(f'the saved data-iterator state belongs to data shard {state.get("shard")} of another batch plan '
+                    f'or mesh (this process: shard {list(shard)}); rerun with --config.restore_data_state=false '
+                    f'to restart the data stream')
+  return train_batches(table, plan, shard, seed, state)
+
+
+# --- Evaluation batches ------------------------------------------------------------------------
+
+def eval_batches(config, vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
+  """Every sentence pair of `split`, in order, as global batches {'inputs': [B, S], 'targets': [B, T]}.
+
+  B is fixed (a multiple of the data-parallel size); each side is padded to the bucket of its longest
+  row, the last batch with empty rows. Sentences over `config.eval_max_length` tokens are truncated
+  (keeping the EOS). Every process builds the same list.
   """
   max_length = config.eval_max_length
-  boundaries = bucket_boundaries(sample_lengths(config, vocab_path, 5000), config.num_bucket_boundaries, max_length)
+  table = token_table(text_pairs(config, split), vocab_path, max_length, truncate=True)
+  longer = np.maximum(table.sources.lengths, table.targets.lengths)
+  boundaries = bucketing.bucket_boundaries(np.bincount(longer, minlength=max_length + 1),
+                                           config.num_bucket_boundaries)
   batch_size = max(data_parallel_size, config.eval_tokens_per_batch // max_length
                    // data_parallel_size * data_parallel_size)
-  boundary_tensor = tf.constant(boundaries, tf.int32)
-
-  def truncate(example):
-    return {k: tf.cond(tf.shape(v)[0] > max_length, lambda v=v: tf.concat([v[:max_length - 1], v[-1:]], 0),
-                       lambda v=v: v) for k, v in example.items()}
-
-  def pad_to_bucket(batch):
-    def pad(v):
-      length = tf.gather(boundary_tensor, _bucket_index(tf.shape(v)[1], boundary_tensor))
-      return tf.pad(v, [[0, batch_size - tf.shape(v)[0]], [0, length - tf.shape(v)[1]]])
-    return {k: pad(v) for k, v in batch.items()}
-
-  dataset = tokenize(text_pairs(config, split), vocab_path).map(truncate)
-  dataset = dataset.padded_batch(batch_size, padded_shapes={'inputs': [None], 'targets': [None]})
-  return dataset.map(pad_to_bucket).prefetch(tf.data.AUTOTUNE)
+  batches = []
+  for start in range(0, len(table), batch_size):
+    rows = np.arange(start, min(start + batch_size, len(table)))
+    batch = {}
+    for name, side in (('inputs', table.sources), ('targets', table.targets)):
+      length = boundaries[int(np.searchsorted(boundaries, side.lengths[rows].max()))]
+      padded = np.zeros((batch_size, length), np.int32)
+      padded[:len(rows)] = side.padded(rows, length)
+      batch[name] = padded
+    batches.append(batch)
+  return batches
 
 
 # --- Inspection ------------------------------------------------------------------------------
@@ -351,26 +404,29 @@ def _fill(batches) -> tuple[int, int]:
 
 
 def inspect(config, vocab_path: str) -> dict:
-  """One epoch of training batches (no repeat): counts, shapes, budget and throughput; then the fill of
-  the repeated training stream over as many batches (an epoch's last partial windows, padded with empty
-  rows, occur only once per pass and never in the repeated stream the trainer reads)."""
-  dropped = DroppedCounter()
-  dataset = train_batches(config, vocab_path, repeat=False, dropped=dropped)
+  """One epoch of training batches (no repeat) on one process: counts, shapes, budget, table-build and
+  batch-serving throughput; then the fill of the repeated stream over as many batches."""
   start = time.perf_counter()
-  epoch = list(dataset.as_numpy_iterator())
+  table = train_table(config, vocab_path)
+  table_seconds = time.perf_counter() - start
+  plan = train_plan(config, table.histogram(config.max_length), table.dropped)
+  start = time.perf_counter()
+  epoch = list(train_batches(table, plan, repeat=False, seed=config.seed))
   seconds = time.perf_counter() - start
   shapes = sorted({(b['inputs'].shape[0], b['inputs'].shape[1], b['targets'].shape[1]) for b in epoch})
   tokens = [int((b['targets'] > 0).sum()) for b in epoch]
-  stream = train_batches(config, vocab_path, repeat=True).take(len(epoch)).as_numpy_iterator()
-  real, padded = _fill(list(stream))
+  stream = train_batches(table, plan, seed=config.seed)
+  real, padded = _fill([next(stream) for _ in epoch])
   epoch_real, epoch_padded = _fill(epoch)
+  table_tokens = int(table.sources.lengths.sum() + table.targets.lengths.sum())
   return {'examples': sum(int((b['targets'] > 0).any(1).sum()) for b in epoch), 'batches': len(epoch),
-          'shapes': len(shapes), 'shape_list': shapes,
+          'shapes': len(shapes), 'shape_list': shapes, 'boundaries': list(plan.boundaries),
           'tokens_per_batch': {'min': min(tokens), 'median': float(np.median(tokens)), 'max': max(tokens),
                                'budget': config.tokens_per_batch},
           'non_padding_fraction': round(real / padded, 4),
           'epoch_non_padding_fraction': round(epoch_real / epoch_padded, 4),
-          'dropped_too_long': dropped.value,
+          'dropped_too_long': plan.dropped,
+          'table_tokens_per_second': round(table_tokens / table_seconds, 1),
           'tokens_per_second': round(sum(tokens) / seconds, 1)}
 
 

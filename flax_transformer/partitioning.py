@@ -76,6 +76,26 @@ def data_parallel_size(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
+def data_shard(mesh: Mesh) -> tuple[int, int]:
+  """(index, count) of this process's data shard: processes whose devices hold the same rows of the batch
+  read the same shard; `count` shards split the batch (and the training data) into equal row blocks.
+
+  E.g. 2 hosts on a (2, 2, 2) mesh: 2 shards; a model axis across the hosts, (1, 1, 8): 1 shard, read by both.
+  """
+  dp = data_parallel_size(mesh)
+  blocks = batch_sharding(mesh).devices_indices_map((dp,))  # device -> its slice of a dp-row batch
+  held = {}
+  for device, (rows,) in blocks.items():
+    held.setdefault(device.process_index, set()).add(rows.start or 0)
+  shards = sorted({tuple(sorted(rows)) for rows in held.values()})
+  starts = [shard[0] for shard in shards]
+  contiguous = all(list(s) == list(range(s[0], s[0] + len(shards[0]))) for s in shards)
+  if not contiguous or len({len(s) for s in shards}) != 1 or len(set().union(*shards)) != sum(map(len, shards)):
+    raise ConfigError(f'config.mesh_shape={tuple(mesh.devices.shape)} gives the processes overlapping or uneven '
+                      f'blocks of the batch; order the mesh so each host holds whole data-parallel rows')
+  return starts.index(min(held[jax.process_index()])), len(shards)
+
+
 def check_model_fits_mesh(model_config: TransformerConfig, mesh: Mesh) -> None:
   """One-line errors for tensor-parallel splits that do not divide the model."""
   tp = mesh.shape['model']

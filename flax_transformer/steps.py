@@ -3,16 +3,29 @@
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 
 from flax_transformer import losses
 from flax_transformer.model import Transformer, TransformerConfig
+
+
+def split_micro_batches(batch: dict, k: int) -> dict:
+  """[B, l] arrays -> [k, B/k, l]: micro-batch i holds rows i, i + k, i + 2k, ... (strided).
+
+  Each device's contiguous block of the batch then holds B/(k·devices) rows of every micro-batch, so no
+  micro-step moves rows between devices (a contiguous split would gather each micro-batch's rows from
+  the devices holding them).
+  """
+  return jax.tree_util.tree_map(
+      lambda x: nn.with_logical_constraint(x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
+                                           (None, 'batch', 'length')), batch)  # [k, B/k, l]
 
 
 def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerConfig, label_smoothing: float,
                gradient_accumulation_steps: int = 1, fused_output_loss: bool = True):
   """One optimizer update on `batch` ({'inputs': [B, s], 'targets': [B, t]} int32).
 
-  With gradient_accumulation_steps = k the batch is split into k micro-batches of B/k rows whose
+  With gradient_accumulation_steps = k the batch is split into k strided micro-batches of B/k rows whose
   gradients are summed (lax.scan) before one update normalised by all their target tokens.
   `rng` is the run's dropout key; it is folded with the step so every step draws fresh masks.
   fused_output_loss: the pre-softmax projection and the loss share one hand-written gradient
@@ -39,7 +52,7 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
   if k == 1:
     grads, sums = grad_fn(state.params, batch, step_rng)
   else:
-    micro_batches = jax.tree_util.tree_map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    micro_batches = split_micro_batches(batch, k)
 
     def accumulate(carry, micro):
       index, micro_batch = micro

@@ -1,14 +1,13 @@
 """`train_and_evaluate(config, workdir)`: the loop only orchestrates batches, the pure step and hooks.
 
 Hooks: progress line and TensorBoard every `log_every_steps`, validation loss/perplexity/accuracy and
-BLEU on a validation sample every `eval_every_steps`, an Orbax checkpoint (plus the data iterator)
-every `checkpoint_every_steps`, on the last step and on SIGTERM/SIGINT. A NaN/Inf loss stops the
-run before the next checkpoint is written, so the last good one stays untouched.
+BLEU on a validation sample every `eval_every_steps`, an Orbax checkpoint (with each process's
+data-iterator state) every `checkpoint_every_steps`, on the last step and on SIGTERM/SIGINT. A NaN/Inf
+loss stops the run before the next checkpoint is written, so the last good one stays untouched.
 """
 
 import functools
 import json
-import logging
 import os
 import signal
 import time
@@ -23,6 +22,7 @@ from flax_transformer.errors import ConfigError, UserError
 from flax_transformer.model import TransformerConfig
 
 METRICS_FILENAME = 'train_metrics.jsonl'
+TRANSLATIONS_DIR = 'translations'  # translations/eval_<step>.txt: the BLEU sample's translations
 VOCABULARY_TIMEOUT_SECONDS = 4 * 3600  # How long other processes wait for process 0 to train the vocabulary.
 
 
@@ -112,6 +112,14 @@ def enable_compilation_cache() -> None:
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
 
 
+def data_seed(seed: int, start_step: int) -> int:
+  """The data stream's seed: the run's, or for a stream restarted at `start_step` one derived from both
+  (so a restart does not replay the first steps' batches)."""
+  if start_step == 0:
+    return seed
+  return int(np.random.SeedSequence([seed, start_step]).generate_state(1)[0] % 2 ** 31)
+
+
 def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
   enable_compilation_cache()
@@ -142,16 +150,18 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   state, state_shardings = partitioning.create_train_state(config, model_config, mesh, init_rng)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
 
-  dropped = input_pipeline.DroppedCounter()
-  train_iter = iter(input_pipeline.train_batches(config, vocab_path, dp_size, dropped=dropped))
-
-  start_step = manager.latest_step()
+  start_step, data_state = manager.latest_step(), None
   if start_step is not None:
     state = checkpointing.restore_state(manager, start_step, state, state_shardings)
-    if not checkpointing.restore_data_state(workdir, start_step, train_iter):
-      logging.warning('no data-iterator state for step %d: the data order restarts', start_step)
+    if config.restore_data_state:
+      data_state = checkpointing.restore_data_state(manager, start_step)
+    if data_state is None:
+      print(f'the data stream restarts at step {start_step} with a seed derived from it', flush=True)
     print(f'resumed from step {start_step} in {workdir}', flush=True)
   start_step = int(jax.device_get(state.step))
+  shard = partitioning.data_shard(mesh)
+  train_iter = input_pipeline.process_train_batches(config, vocab_path, shard, dp_size,
+                                                    data_seed(config.seed, start_step), data_state)
 
   _, schedule = optim.create_optimizer(config, model_config.d_model)
   train_step = partitioning.jit_train_step(
@@ -162,8 +172,13 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
       mesh, state_shardings.params)
   batch_sharding = partitioning.batch_sharding(mesh)
 
-  def to_global(batch):
-    return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+  def to_global(batch):  # this process's rows of a training batch -> the global batch
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v, (v.shape[0] * shard[1], *v.shape[1:]))
+            for k, v in batch.items()}
+
+  def eval_to_global(batch):  # every process holds the whole evaluation batch
+    return {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda index, v=v: v[index])
+            for k, v in batch.items()}
 
   writer = tf.summary.create_file_writer(os.path.join(workdir, 'tensorboard')) if is_chief else None
   metrics_file = open(os.path.join(workdir, METRICS_FILENAME), 'a') if is_chief else None
@@ -181,8 +196,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   def save(step):
     try:
       manager.wait_until_finished()  # surfaces a failure of the previous asynchronous save
-      checkpointing.save_state(manager, state)
-      checkpointing.save_data_state(workdir, step, train_iter, manager.all_steps()) if is_chief else None
+      checkpointing.save_state(manager, state, train_iter.state())
     except Exception as error:  # disk full, permission denied...
       raise CheckpointSaveFailed(f'saving the checkpoint at step {step} in {workdir} failed '
                                  f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
@@ -194,15 +208,18 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
     """Validation metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
     nonlocal eval_sources, eval_references, eval_dataset
     stopping = lambda: stop.received is not None
-    if eval_dataset is None:  # built once: its bucket boundaries come from encoding 5,000 training pairs
-      eval_dataset = input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size).cache()
-    results = evaluation.evaluate_loss(eval_step, state.params, eval_dataset.as_numpy_iterator(), to_global,
+    if eval_dataset is None:  # tokenised and batched once, the same batches on every process
+      eval_dataset = input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size)
+    results = evaluation.evaluate_loss(eval_step, state.params, eval_dataset, eval_to_global,
                                        should_stop=stopping)
     if results is not None and config.num_eval_bleu_sentences > 0:
       if eval_sources is None:
         pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
         eval_sources, eval_references = [p[0] for p in pairs], [p[1] for p in pairs]
-      params = jax.device_get(state.params) if jax.process_count() > 1 else state.params
+      params = state.params
+      if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(params, tiled=True)
       hypotheses = evaluation.translate_sentences(params, model_config, processor, eval_sources,
                                                   beam_size=config.beam_size, alpha=config.length_penalty_alpha,
                                                   max_extra_length=config.max_extra_length,
@@ -212,6 +229,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
         results = None
       else:
         results['bleu'], _ = evaluation.bleu(hypotheses, eval_references, config.get('bleu_tokenize', '13a'))
+        if is_chief:  # the sample's translations, to read beside the score
+          tf.io.gfile.makedirs(os.path.join(workdir, TRANSLATIONS_DIR))
+          with tf.io.gfile.GFile(os.path.join(workdir, TRANSLATIONS_DIR, f'eval_{step}.txt'), 'w') as f:
+            f.write(''.join(h + '\n' for h in hypotheses))
     if results is None:
       print(f'evaluation at step {step} abandoned: {stop.received} received', flush=True)
       return {}
@@ -228,7 +249,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   step = start_step
   try:
     while step < config.num_train_steps:
-      batch = to_global({k: v.numpy() for k, v in next(train_iter).items()})
+      batch = to_global(next(train_iter))
       state, metrics = train_step(state, batch, dropout_rng)
       pending.append(metrics)
       step += 1
@@ -251,7 +272,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
                         'grad_norm': float(np.mean([m['grad_norm'] for m in fetched])),
                         'learning_rate': float(schedule(step - 1)), 'tokens_per_second': tokens / elapsed,
                         'steps_per_second': (step - tick_step) / elapsed,
-                        'dropped_too_long': dropped.value}
+                        'dropped_too_long': train_iter.plan.dropped}
         log_scalars(step, last_metrics, 'train')
         if is_chief:  # every step's loss, exactly (json floats round-trip), for resume checks and plots
           metrics_file.write(json.dumps({'step': step, 'split': 'train_steps',

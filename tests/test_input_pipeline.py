@@ -1,6 +1,7 @@
 """Vocabulary and batches: tfds WMT14 path (mocked), text files, Multi30k; bucketing invariants; errors."""
 
 import gzip
+import json
 import os
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import multi30k
-from flax_transformer import input_pipeline, tokenizer
+from flax_transformer import bucketing, input_pipeline, tokenizer
 
 WORDS = 'the a cat dog sat on mat runs fast slow red blue house tree big small man woman child ball'.split()
 
@@ -61,14 +62,20 @@ def test_vocabulary_is_trained_once_and_reserves_ids(files_config, vocab, tmp_pa
     tokenizer.train_or_load(files_config, str(tmp_path / 'work'), None)
 
 
+def one_process_batches(config, vocab_path, data_parallel_size=1, **kwargs):
+  """The training batches of a one-process run: one shard, its own histogram."""
+  table = input_pipeline.train_table(config, vocab_path)
+  plan = input_pipeline.train_plan(config, table.histogram(config.max_length), table.dropped, data_parallel_size)
+  return input_pipeline.train_batches(table, plan, **kwargs)
+
+
 @pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
 def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
   _, path = vocab
   files_config.max_length = 64  # keep everything
   files_config.bucket_shapes = mode
-  dropped = input_pipeline.DroppedCounter()
-  batches = list(input_pipeline.train_batches(files_config, path, data_parallel_size=4, repeat=False,
-                                              dropped=dropped).as_numpy_iterator())
+  stream = one_process_batches(files_config, path, data_parallel_size=4, repeat=False)
+  batches = list(stream)
   processor = tokenizer.load(path)
   seen = []
   for batch in batches:
@@ -79,57 +86,57 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
       if target.any():
         seen.append((tokenizer.decode_ids(processor, source), tokenizer.decode_ids(processor, target)))
   expected = list(input_pipeline.python_pairs(files_config))
-  assert sorted(seen) == sorted(expected)  # nothing lost, nothing duplicated
-  assert dropped.value == 0
+  assert len(seen) == len(expected) and sorted(seen) == sorted(expected)  # nothing lost, nothing duplicated
+  assert stream.plan.dropped == 0
   shapes = {(b['inputs'].shape, b['targets'].shape) for b in batches}
-  boundaries = files_config.num_bucket_boundaries + 1  # the DP's boundaries, plus the catch-all max_length
+  boundaries = stream.plan.boundaries
   if mode == 'pairs':
-    assert len(shapes) <= 3 * boundaries
+    assert len(shapes) <= 3 * len(boundaries)
   else:
-    assert len(shapes) <= boundaries and all(s[1] == t[1] for s, t in shapes)
+    assert len(shapes) <= len(boundaries) and all(s[1] == t[1] for s, t in shapes)
     for batch in batches:  # each row's longer side lies in the batch's bucket: longer than the next-smaller one
       longer = np.maximum((batch['inputs'] > 0).sum(1), (batch['targets'] > 0).sum(1))
-      smaller = [b for b in {s[1] for s, _ in shapes} if b < batch['inputs'].shape[1]]
+      smaller = [b for b in boundaries if b < batch['inputs'].shape[1]]
       assert (longer[longer > 0] > max(smaller, default=0)).all()
 
 
 def test_unknown_bucket_shapes_is_a_one_line_error(files_config, vocab):
   files_config.bucket_shapes = 'both'
-  with pytest.raises(input_pipeline.DataError, match="config.bucket_shapes='both' is not one of pairs, longer_side"):
-    input_pipeline.train_batches(files_config, vocab[1])
+  with pytest.raises(bucketing.PlanError, match="config.bucket_shapes='both' is not one of pairs, longer_side"):
+    one_process_batches(files_config, vocab[1])
 
 
 def test_too_long_pairs_are_dropped_and_counted(files_config, vocab):
   _, path = vocab
   files_config.max_length = 6
-  dropped = input_pipeline.DroppedCounter()
-  batches = list(input_pipeline.train_batches(files_config, path, repeat=False, dropped=dropped)
-                 .as_numpy_iterator())
+  stream = one_process_batches(files_config, path, repeat=False)
+  batches = list(stream)
   kept = sum(int(b['targets'].any(1).sum()) for b in batches)
   processor = tokenizer.load(path)
   too_long = sum(1 for s, t in input_pipeline.python_pairs(files_config)
                  if max(len(processor.encode(s)), len(processor.encode(t))) + 1 > 6)
-  assert dropped.value == too_long > 0
+  assert stream.plan.dropped == too_long > 0
   assert kept == 300 - too_long
   assert all(b['inputs'].shape[1] <= 6 and b['targets'].shape[1] <= 6 for b in batches)
 
 
 def test_same_seed_same_batches_other_seed_other_order(files_config, vocab):
   _, path = vocab
-  take = lambda seed: [b['inputs'] for b in input_pipeline.train_batches(files_config, path, seed=seed)
-                       .take(6).as_numpy_iterator()]
+  take = lambda seed: [next(stream)['inputs'] for stream in [one_process_batches(files_config, path, seed=seed)]
+                       for _ in range(6)]
   first, again, other = take(1), take(1), take(2)
-  assert all(np.array_equal(a, b) for a, b in zip(first, again))
+  assert len(first) == 6 and all(np.array_equal(a, b) for a, b in zip(first, again))
   assert not all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(first, other))
 
 
 def test_eval_batches_keep_order_and_every_sentence(files_config, vocab):
   processor, path = vocab
-  batches = list(input_pipeline.eval_batches(files_config, path, data_parallel_size=2).as_numpy_iterator())
+  batches = input_pipeline.eval_batches(files_config, path, data_parallel_size=2)
   rows = [(s, t) for b in batches for s, t in zip(b['inputs'], b['targets']) if t.any()]
   expected = list(input_pipeline.python_pairs(files_config, 'eval'))
+  assert len(rows) == len(expected) == 37
   assert [(tokenizer.decode_ids(processor, s), tokenizer.decode_ids(processor, t)) for s, t in rows] == expected
-  assert len({b['inputs'].shape[0] for b in batches}) == 1
+  assert len({b['inputs'].shape[0] for b in batches}) == 1 and batches[0]['inputs'].shape[0] % 2 == 0
 
 
 def test_wmt14_through_tfds(tiny_config, tmp_path):
@@ -137,11 +144,88 @@ def test_wmt14_through_tfds(tiny_config, tmp_path):
   with tfds.testing.mock_data(num_examples=40):
     processor, path = tokenizer.train_or_load(tiny_config, str(tmp_path),
                                               lambda: input_pipeline.python_pairs(tiny_config))
-    batch = next(input_pipeline.train_batches(tiny_config, path).as_numpy_iterator())
-    eval_rows = sum(int(b['targets'].any(1).sum()) for b in
-                    input_pipeline.eval_batches(tiny_config, path).as_numpy_iterator())
+    batch = next(one_process_batches(tiny_config, path))
+    eval_rows = sum(int(b['targets'].any(1).sum()) for b in input_pipeline.eval_batches(tiny_config, path))
   assert batch['inputs'].ndim == 2 and batch['inputs'].dtype == np.int32
   assert eval_rows == 40
+
+
+def _shard_streams(config, path, shards, data_parallel_size):
+  """What each of `shards` processes builds: its own table, the summed histogram, one plan each."""
+  tables = [input_pipeline.train_table(config, path, (i, shards)) for i in range(shards)]
+  histogram = sum(t.histogram(config.max_length) for t in tables)
+  plans = [input_pipeline.train_plan(config, histogram, sum(t.dropped for t in tables), data_parallel_size)
+           for _ in tables]
+  return tables, [input_pipeline.train_batches(t, p, (i, shards), seed=5) for i, (t, p) in enumerate(zip(tables, plans))]
+
+
+@pytest.mark.parametrize('source', ['files', 'tfds'])
+@pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
+def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path, source, mode):
+  config = files_config
+  config.bucket_shapes, config.num_bucket_boundaries, config.max_length = mode, 8, 64
+  config.tokens_per_batch, config.gradient_accumulation_steps = 1024, 2
+  paths, _, _ = write_corpus(str(tmp_path), 900, 3, 'long')
+  config.train_source, config.train_target = paths
+  mock = tfds.testing.mock_data(num_examples=900, policy=tfds.testing.MockPolicy.USE_CODE)
+  if source == 'tfds':
+    config.dataset = 'wmt14_translate/de-en'
+    mock.__enter__()
+  try:
+    _, path = tokenizer.train_or_load(config, str(tmp_path / source), lambda: input_pipeline.python_pairs(config))
+    whole = input_pipeline.train_table(config, path)
+    tables, streams = _shard_streams(config, path, 2, data_parallel_size=4)
+    steps = [[next(stream) for _ in range(60)] for stream in streams]
+  finally:
+    if source == 'tfds':
+      mock.__exit__(None, None, None)
+  plan = streams[0].plan
+  assert len(plan.boundaries) >= 8 and len(plan.used_shapes) >= 8
+  # The shards split the data: together they hold every pair of the split once.
+  assert sorted(np.concatenate([t.sources.lengths for t in tables])) == sorted(whole.sources.lengths)
+  assert abs(len(tables[0]) - len(tables[1])) <= 1
+  shapes = [[(b['inputs'].shape, b['targets'].shape) for b in shard] for shard in steps]
+  assert shapes[0] == shapes[1]  # the same shape at every step: one compiled program for the global batch
+  assert len(set(shapes[0])) >= 6  # and the steps move through the buckets
+  for batch in steps[0]:  # each shard builds its half of a global batch that is a multiple of 4 × 2
+    assert (2 * batch['inputs'].shape[0]) % 8 == 0
+    assert 2 * batch['inputs'].size <= config.tokens_per_batch and 2 * batch['targets'].size <= config.tokens_per_batch
+  real = [sum(int(b['targets'].any(1).sum()) for b in shard) for shard in steps]
+  assert min(real) > 0.7 * max(real)  # both shards contribute real rows, not padding
+
+
+def test_bucket_boundaries_minimise_padding():
+  rng = np.random.default_rng(0)
+  lengths = np.concatenate([rng.integers(5, 12, 500), rng.integers(20, 26, 300), [40]])
+  histogram = np.bincount(lengths, minlength=101)
+  boundaries = bucketing.bucket_boundaries(histogram, 3)
+  assert boundaries[-1] == 40  # the longest pair present
+
+  def padding(bounds):
+    padded = np.asarray(bounds)[np.searchsorted(bounds, lengths)]
+    return int((padded - lengths).sum())
+  # Exhaustive check of the DP: no other 3 boundaries ending at 40 pad less.
+  best = min(padding([a, b, 40]) for a in range(1, 40) for b in range(a + 1, 40))
+  assert padding(boundaries) == best
+  assert bucketing.bucket_boundaries(np.bincount([7, 7, 9], minlength=20), 5) == [7, 9]  # no more than needed
+
+
+def test_batch_plan_weights_shapes_by_batches_per_epoch(files_config, vocab):
+  _, path = vocab
+  files_config.max_length = 64
+  stream = one_process_batches(files_config, path, seed=0)
+  plan = stream.plan
+  counts = np.zeros(len(plan.batch_sizes))
+  for _ in range(400):
+    batch = next(stream)
+    counts[[k for k in range(len(counts)) if (plan.batch_sizes[k], plan.source_lengths[k], plan.target_lengths[k])
+                                          == (batch['inputs'].shape[0], *batch['inputs'].shape[1:],
+                                              batch['targets'].shape[1])][0]] += 1
+  expected = np.array(plan.pairs) / np.array(plan.batch_sizes)
+  expected = expected / expected.sum()
+  # 400 draws: each shape's share within 4 binomial standard deviations of its batches-per-epoch share.
+  assert np.all(np.abs(counts / 400 - expected) <= 4 * np.sqrt(expected * (1 - expected) / 400) + 1e-9)
+  assert counts[expected == 0].sum() == 0
 
 
 def test_multi30k_files_by_path(tmp_path):
@@ -188,42 +272,14 @@ def test_tfds_errors_say_how_to_fix(tiny_config, tmp_path):
     next(input_pipeline.python_pairs(tiny_config))
 
 
-def test_bucket_boundaries_minimise_padding_and_end_with_a_catch_all():
-  rng = np.random.default_rng(0)
-  lengths = np.concatenate([rng.integers(5, 12, 500), rng.integers(20, 26, 300), [40]])
-  boundaries = input_pipeline.bucket_boundaries(lengths, 3, 100)
-  assert boundaries[-2:] == [40, 100]  # the DP ends at the longest sampled pair; 100 catches rarer ones
-
-  def padding(bounds):
-    padded = np.asarray(bounds)[np.searchsorted(bounds, lengths)]
-    return int((padded - lengths).sum())
-  # Exhaustive check of the DP: no other 3 boundaries ending at 40 pad less.
-  best = min(padding([a, b, 40]) for a in range(1, 40) for b in range(a + 1, 40))
-  assert padding(boundaries[:-1]) == best
-  assert input_pipeline.bucket_boundaries(np.array([7, 100, 120]), 2, 100)[-1] == 100  # capped at max_length
-
-
-def test_cached_tokens_give_the_same_batches(files_config, vocab):
+def test_iterator_state_resumes_the_stream(files_config, vocab):
   _, path = vocab
-  take = lambda: [b for b in input_pipeline.train_batches(files_config, path).take(40).as_numpy_iterator()]
-  plain = take()  # 40 batches: several passes over the 300 pairs, so reshuffled epochs are compared too
-  files_config.cache_tokenized = True
-  cached = take()
-  assert all(np.array_equal(a[k], b[k]) for a, b in zip(plain, cached) for k in ('inputs', 'targets'))
-
-
-@pytest.mark.parametrize('cache_tokenized', [False, True])
-def test_iterator_checkpoint_resumes_the_stream(files_config, vocab, tmp_path, cache_tokenized):
-  import tensorflow as tf
-  _, path = vocab
-  files_config.cache_tokenized = cache_tokenized
-  batches = lambda: input_pipeline.train_batches(files_config, path)
-  iterator = iter(batches())
-  for _ in range(17):  # past the first epoch
-    next(iterator)
-  saved = tf.train.Checkpoint(iterator=iterator).write(str(tmp_path / 'data'))
-  expected = [next(iterator) for _ in range(10)]
-  fresh = iter(batches())
-  tf.train.Checkpoint(iterator=fresh).read(saved).assert_consumed()
-  resumed = [next(fresh) for _ in range(10)]
+  stream = one_process_batches(files_config, path)
+  for _ in range(17):  # past the first epoch of some shapes
+    next(stream)
+  saved = json.loads(json.dumps(stream.state()))  # as the checkpoint stores it
+  expected = [next(stream) for _ in range(10)]
+  resumed_stream = one_process_batches(files_config, path, state=saved)
+  resumed = [next(resumed_stream) for _ in range(10)]
+  assert saved['step'] == 17 and sum(saved['positions']) == 17
   assert all(np.array_equal(a[k], b[k]) for a, b in zip(expected, resumed) for k in ('inputs', 'targets'))

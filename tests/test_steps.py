@@ -1,6 +1,7 @@
 """The pure train step learns, and sharded steps equal single-device steps."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -43,11 +44,12 @@ def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
   assert train_step.jitted._cache_size() == 1  # one compilation for one batch shape
 
 
-def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng):
+@pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (8, 1, 1)])
+def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_shape):
   tiny_config.model.dropout_rate = 0.0
   model_config = TransformerConfig.from_config(tiny_config)
-  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  batch = random_batch(np_rng, 8, 7, 6, model_config.vocab_size)
+  mesh = partitioning.create_mesh(mesh_shape, jax.devices()[:np.prod(mesh_shape)])
+  batch = random_batch(np_rng, 32, 7, 6, model_config.vocab_size)
   state, train_step = make_step(tiny_config, model_config, mesh)
   full, full_metrics = train_step(state, batch, jax.random.key(0))
   tiny_config.gradient_accumulation_steps = 4
@@ -56,6 +58,26 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng):
   np.testing.assert_allclose(float(full_metrics['loss']), float(accumulated_metrics['loss']), rtol=1e-5)
   for a, b in zip(jax.tree_util.tree_leaves(full.params), jax.tree_util.tree_leaves(accumulated.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def _token_gathers(tiny_config, np_rng) -> list[str]:
+  """The all-gathers of int32 (token) arrays in the compiled k=4 step on an 8-way data-parallel mesh."""
+  tiny_config.gradient_accumulation_steps = 4
+  model_config = TransformerConfig.from_config(tiny_config)
+  mesh = partitioning.create_mesh((8, 1, 1))
+  state, train_step = make_step(tiny_config, model_config, mesh)
+  batch = random_batch(np_rng, 32, 7, 6, model_config.vocab_size)
+  with partitioning.mesh_context(mesh):
+    hlo = train_step.jitted.lower(state, batch, jax.random.key(0)).compile().as_text()
+  return re.findall(r'= s32\[[^\]]*\][^ ]* all-gather[^\n]*', hlo)
+
+
+def test_accumulation_keeps_each_device_rows(tiny_config, np_rng, monkeypatch):
+  assert _token_gathers(tiny_config, np_rng) == []  # strided micro-batches: no token moves between devices
+  # The check can fail: contiguous micro-batches gather each one's rows from the devices holding them.
+  monkeypatch.setattr(steps, 'split_micro_batches', lambda batch, k: jax.tree_util.tree_map(
+      lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch))
+  assert _token_gathers(tiny_config, np_rng)
 
 
 @pytest.mark.parametrize('share_embeddings,pre_norm', [(True, False), (False, True)])

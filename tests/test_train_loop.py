@@ -72,8 +72,7 @@ def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
   config.num_train_steps = 3
   # mock_data patches file I/O in a way Orbax cannot write through: record the saves instead.
   saved = []
-  monkeypatch.setattr(checkpointing, 'save_state', lambda manager, state: saved.append(int(state.step)))
-  monkeypatch.setattr(checkpointing, 'save_data_state', lambda *args: None)
+  monkeypatch.setattr(checkpointing, 'save_state', lambda manager, state, data: saved.append(int(state.step)))
   with tfds.testing.mock_data(num_examples=30, policy=tfds.testing.MockPolicy.USE_CODE):
     result = train_loop.train_and_evaluate(config, str(tmp_path / 'wmt'), one_device())
   assert saved == [3] and result['step'] == 3 and result['eval']['tokens'] > 0
@@ -213,10 +212,10 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
   config = small_run(tiny_config, tmp_path)
   original = checkpointing.save_state
 
-  def disk_full_after_first(manager, state):
+  def disk_full_after_first(manager, state, data_state):
     if int(state.step) > 3:
       raise OSError(28, 'No space left on device')
-    original(manager, state)
+    original(manager, state, data_state)
 
   monkeypatch.setattr(checkpointing, 'save_state', disk_full_after_first)
   with pytest.raises(train_loop.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):

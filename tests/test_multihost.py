@@ -1,0 +1,144 @@
+"""Two processes × 4 CPU devices through train.py, as on a two-host pod: several length buckets, strided
+gradient accumulation, evaluation with BLEU, kill -9 and resume; one-process evaluation agrees."""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from docs import compare_runs
+from flax_transformer import checkpointing, evaluation, input_pipeline, partitioning, steps, tokenizer
+from flax_transformer.model import TransformerConfig
+from tests.test_input_pipeline import write_corpus
+from tests.test_partitioning import _free_port
+from tests.test_train_loop import ROOT, _env
+
+STEPS = 32
+
+
+def _commands(workdir, corpus, extra=()):
+  """Processes 0 and 1 of one run on localhost, 4 CPU devices each, mesh (data 2, fsdp 2, model 2)."""
+  port = _free_port()
+  base = [sys.executable, os.path.join(ROOT, 'train.py'), '--config', os.path.join(ROOT, 'configs/tiny.py'),
+          f'--workdir={workdir}', '--config.dataset=files',
+          f'--config.train_source={corpus}/train.src.gz', f'--config.train_target={corpus}/train.tgt.gz',
+          f'--config.eval_source={corpus}/eval.src.gz', f'--config.eval_target={corpus}/eval.tgt.gz',
+          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=8', '--config.max_length=32',
+          '--config.eval_max_length=32', '--config.tokens_per_batch=512', '--config.gradient_accumulation_steps=2',
+          f'--config.num_train_steps={STEPS}', '--config.checkpoint_every_steps=8', '--config.eval_every_steps=16',
+          '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=6', '--config.mesh_shape=(2,2,2)',
+          '--config.num_processes=2', f'--config.coordinator_address=localhost:{port}', *extra]
+  return [base + [f'--config.process_id={i}'] for i in (0, 1)]
+
+
+def _env4():
+  return dict(_env(), XLA_FLAGS='--xla_force_host_platform_device_count=4')
+
+
+def _run(commands, kill_after_step=None, workdir=None):
+  """Runs both processes; with `kill_after_step`, kill -9 process 1 (then 0) once that step is logged and
+  a checkpoint is on disk. Returns the outputs of processes 0 and 1."""
+  processes = [subprocess.Popen(c, env=_env4(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for c in commands]
+  if kill_after_step is not None:
+    for line in processes[0].stdout:
+      if line.startswith(f'step {kill_after_step}/'):
+        deadline = time.time() + 60
+        while not checkpointing.available_steps(workdir) and time.time() < deadline:
+          time.sleep(0.05)
+        processes[1].kill()  # one host dies; the job is then torn down, as a scheduler would
+        processes[0].kill()
+        break
+  outputs = [p.communicate(timeout=600)[0] for p in processes]
+  return processes, outputs
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+  directory = tmp_path_factory.mktemp('corpus')
+  write_corpus(str(directory), 400, 0, 'train')
+  write_corpus(str(directory), 24, 1, 'eval')
+  return str(directory)
+
+
+@pytest.fixture(scope='module')
+def reference(corpus, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('reference'))
+  processes, outputs = _run(_commands(workdir, corpus))
+  assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  return workdir, outputs
+
+
+def test_two_hosts_resume_bitwise_after_kill(corpus, reference, tmp_path):
+  expected_dir, outputs = reference
+  killed = str(tmp_path / 'killed')
+  processes, _ = _run(_commands(killed, corpus), kill_after_step=13, workdir=killed)
+  assert processes[0].returncode == -signal.SIGKILL
+  restored_from = checkpointing.available_steps(killed)[-1]
+  assert 8 <= restored_from < STEPS
+  processes, outputs = _run(_commands(killed, corpus))
+  assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  assert f'resumed from step {restored_from}' in outputs[0] and 'restarts' not in outputs[0]
+  comparison = compare_runs.compare(expected_dir, killed)
+  print(comparison)
+  assert comparison['last_step'] == STEPS and comparison['differing_steps'] == []
+  assert comparison['evaluations'] >= 1 and comparison['differing_evaluations'] == []
+  saved = sorted(n for n in os.listdir(os.path.join(killed, 'checkpoints', str(STEPS), 'data')) if n.endswith('.json'))
+  assert saved == ['process_0.json', 'process_1.json']
+  states = [json.load(open(os.path.join(killed, 'checkpoints', str(STEPS), 'data', name))) for name in saved]
+  assert [s['shard'] for s in states] == [[0, 2], [1, 2]] and states[0]['positions'] == states[1]['positions']
+
+
+def test_evaluation_equals_one_process(corpus, reference, tiny_config):
+  workdir, _ = reference
+  config = checkpointing.read_config(workdir)
+  _, evaluations = compare_runs.read_run(workdir)
+  logged = evaluations[STEPS]
+  model_config = TransformerConfig.from_config(config)
+  mesh = partitioning.create_mesh((8, 1, 1))
+  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  manager = checkpointing.create_manager(workdir, 10)
+  state = checkpointing.restore_state(manager, STEPS, state, shardings)
+  manager.close()
+  processor, vocab_path = tokenizer.train_or_load(config, workdir, None)
+  eval_step = partitioning.jit_eval_step(functools.partial(steps.eval_step, model_config=model_config,
+                                                           label_smoothing=config.label_smoothing),
+                                         mesh, shardings.params)
+  batches = input_pipeline.eval_batches(config, vocab_path, 'eval', 8)
+  sharding = partitioning.batch_sharding(mesh)
+  results = evaluation.evaluate_loss(eval_step, state.params, batches,
+                                     lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()})
+  pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+  hypotheses = evaluation.translate_sentences(jax.device_get(state.params), model_config, processor,
+                                              [p[0] for p in pairs], beam_size=config.beam_size,
+                                              alpha=config.length_penalty_alpha,
+                                              max_extra_length=config.max_extra_length,
+                                              batch_tokens=config.eval_tokens_per_batch)
+  bleu, _ = evaluation.bleu(hypotheses, [p[1] for p in pairs])
+  print('two processes:', logged, '\none process:', results, bleu, hypotheses)
+  with open(os.path.join(workdir, 'translations', f'eval_{STEPS}.txt')) as f:
+    assert f.read().splitlines() == hypotheses  # the same translations, line for line
+  assert results['tokens'] == logged['tokens']
+  for name in ('loss', 'perplexity', 'accuracy'):
+    assert results[name] == pytest.approx(logged[name], rel=1e-5)
+  assert bleu == pytest.approx(logged['bleu'], abs=1e-9)
+
+
+def test_resume_with_another_process_count_is_refused(corpus, reference, tmp_path):
+  workdir, _ = reference
+  command = _commands(workdir, corpus, [f'--config.num_train_steps={STEPS + 8}'])[0]
+  command = [a for a in command if not a.startswith(('--config.num_processes', '--config.coordinator_address',
+                                                     '--config.process_id'))]
+  result = subprocess.run(command, env=dict(_env(), XLA_FLAGS='--xla_force_host_platform_device_count=8'),
+                          capture_output=True, text=True, timeout=300)
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+  assert result.returncode == 1 and len(errors) == 1, result.stderr[-2000:]
+  assert 'holds the data-iterator state of 2 processes but this run has 1' in errors[0]
+  assert '--config.restore_data_state=false' in errors[0]
+  assert checkpointing.available_steps(workdir)[-1] == STEPS  # nothing written
