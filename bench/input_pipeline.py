@@ -1,10 +1,17 @@
-"""Input pipeline throughput vs what the training step consumes, side by side in one process.
+"""Input pipeline throughput per CPU core: building the token table, then serving 25k-token batches.
 
-python bench/input_pipeline.py [--config=configs/multi30k.py]
-Prints a markdown table and, last, one JSON line.
+python bench/input_pipeline.py [--pairs=200000] [--shards=1,2] [--repeats=3]
+
+A synthetic WMT-like corpus (Zipf words, sentence lengths log-normal around 25 words, longest ~120) is
+written as .gz files and as a tfds-shaped mock (tfds.testing.mock_data, so the tfds code path runs
+without a download). For each source and shard count it times, for shard 0:
+  table build  - read, tokenise (tensorflow-text SentencePiece) and store its shard of the split,
+  serving      - batches of the global `tokens_per_batch`, as the trainer pulls them.
+Prints a markdown table (medians of --repeats) and, last, one JSON line. docs/scaling.md turns these
+rates into the CPU cores a host needs to feed its accelerators.
 """
 
-import functools
+import gzip
 import json
 import os
 import statistics
@@ -12,57 +19,104 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 tf.config.set_visible_devices([], 'GPU')
-config_flags.DEFINE_config_file('config', 'configs/multi30k.py', 'Run configuration.', lock_config=False)
-flags.DEFINE_string('workdir', '/tmp/flax_transformer_bench', 'Where the vocabulary is trained or found.')
-flags.DEFINE_integer('batches', 200, 'Pipeline batches to time.')
-flags.DEFINE_integer('steps', 10, 'Timed train steps (after one warm-up step).')
+flags.DEFINE_integer('pairs', 200_000, 'Sentence pairs in the synthetic training split.')
+flags.DEFINE_list('shards', ['1', '2'], 'Data shard counts to time (the table of shard 0 is built).')
+flags.DEFINE_integer('batches', 300, 'Batches served per timing.')
+flags.DEFINE_integer('repeats', 3, 'Timings per row; the table reports the median.')
+flags.DEFINE_integer('tfds_pairs', 20_000, 'Pairs of the tfds mock (generated in Python, so kept smaller).')
+flags.DEFINE_string('workdir', '/tmp/flax_transformer_bench_input', 'Corpus and vocabulary directory.')
+
+
+def synthetic_corpus(directory: str, pairs: int, seed: int = 0) -> tuple[str, str]:
+  """WMT-like parallel text: Zipf(1.1) over 30k synthetic words, source lengths ~ LogNormal(ln 22, 0.55),
+  target lengths 0.8-1.3× the source's."""
+  paths = [os.path.join(directory, f'train.{lang}.gz') for lang in ('en', 'de')]
+  if all(os.path.exists(p) for p in paths):
+    return tuple(paths)
+  rng = np.random.default_rng(seed)
+  letters = np.array(list('abcdefghijklmnopqrstuvwxyz'))
+  words = [''.join(rng.choice(letters, rng.integers(2, 10))) for _ in range(30_000)]
+  lengths = np.clip(rng.lognormal(np.log(22), 0.55, pairs).astype(int), 1, 120)
+  with gzip.open(paths[0], 'wt', encoding='utf-8') as source, gzip.open(paths[1], 'wt', encoding='utf-8') as target:
+    for n in lengths:
+      for f, length in ((source, n), (target, max(1, int(n * rng.uniform(0.8, 1.3))))):
+        ids = np.minimum(rng.zipf(1.1, length), len(words)) - 1
+        f.write(' '.join(words[i] for i in ids) + '\n')
+  return tuple(paths)
+
+
+def config_for(source: str, paths: tuple[str, str], shards: int):
+  from configs import base
+  config = base.get_config()
+  config.model.vocab_size = 8000
+  config.max_corpus_chars = 2_000_000
+  if source == 'files':
+    config.dataset = 'files'
+    config.train_source, config.train_target = paths
+  return config
+
+
+def time_source(source: str, paths, shards: int, vocab_path: str) -> dict:
+  from flax_transformer import input_pipeline
+  config = config_for(source, paths, shards)
+  cores = len(os.sched_getaffinity(0))
+  builds, serves = [], []
+  for _ in range(flags.FLAGS.repeats):
+    start = time.perf_counter()
+    table = input_pipeline.train_table(config, vocab_path, (0, shards))
+    seconds = time.perf_counter() - start
+    table_tokens = int(table.sources.lengths.sum() + table.targets.lengths.sum())
+    builds.append(table_tokens / seconds / cores)
+    histogram = table.histogram(config.max_length) * shards  # the other shards: alike in distribution
+    plan = input_pipeline.train_plan(config, histogram, table.dropped * shards)
+    stream = input_pipeline.train_batches(table, plan, (0, shards), seed=0)
+    next(stream)
+    start = time.perf_counter()
+    batches = [next(stream) for _ in range(flags.FLAGS.batches)]
+    seconds = time.perf_counter() - start
+    serves.append(sum(int((b['targets'] > 0).sum()) for b in batches) / seconds / cores)
+  return {'source': source, 'shards': shards, 'pairs': len(table), 'table_tokens': table_tokens,
+          'build_tokens_per_second_per_core': round(statistics.median(builds)),
+          'serve_target_tokens_per_second_per_core': round(statistics.median(serves)),
+          'cores': cores}
 
 
 def main(argv):
   del argv
-  from flax_transformer import input_pipeline, partitioning, steps, tokenizer
-  from flax_transformer.model import TransformerConfig
-  config = flags.FLAGS.config
-  _, vocab_path = tokenizer.train_or_load(config, flags.FLAGS.workdir, lambda: input_pipeline.python_pairs(config))
-  iterator = input_pipeline.train_batches(config, vocab_path).as_numpy_iterator()
-  next(iterator)
-  start = time.perf_counter()
-  batches = [next(iterator) for _ in range(flags.FLAGS.batches)]
-  pipeline_tps = sum(int((b['targets'] > 0).sum()) for b in batches) / (time.perf_counter() - start)
+  import tensorflow_datasets as tfds
+  from flax_transformer import input_pipeline, tokenizer
+  os.makedirs(flags.FLAGS.workdir, exist_ok=True)
+  paths = synthetic_corpus(flags.FLAGS.workdir, flags.FLAGS.pairs)
+  files_config = config_for('files', paths, 1)
+  _, vocab_path = tokenizer.train_or_load(files_config, flags.FLAGS.workdir,
+                                          lambda: input_pipeline.python_pairs(files_config))
+  rows = []
+  for shards in map(int, flags.FLAGS.shards):
+    rows.append(time_source('files', paths, shards, vocab_path))
+  with tfds.testing.mock_data(num_examples=flags.FLAGS.tfds_pairs, policy=tfds.testing.MockPolicy.USE_CODE):
+    rows.append(time_source('tfds', paths, 1, vocab_path))
+  print(f'CPU: {cpu_model()}, {rows[0]["cores"]} cores; global batch {files_config.tokens_per_batch:,} tokens')
+  print('| source | shards | pairs in shard 0 | table build, tokens/s/core | serving, target tokens/s/core |')
+  print('|---|---|---|---|---|')
+  for r in rows:
+    print(f"| {r['source']} | {r['shards']} | {r['pairs']:,} | {r['build_tokens_per_second_per_core']:,} | "
+          f"{r['serve_target_tokens_per_second_per_core']:,} |")
+  print(json.dumps(rows))
 
-  model_config = TransformerConfig.from_config(config)
-  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
-  step = partitioning.jit_train_step(functools.partial(steps.train_step, model_config=model_config,
-                                                       label_smoothing=config.label_smoothing), mesh, shardings)
-  shape = max({b['inputs'].shape + b['targets'].shape[1:] for b in batches},
-              key=lambda s: sum(1 for b in batches if b['inputs'].shape + b['targets'].shape[1:] == s))
-  same = [b for b in batches if b['inputs'].shape + b['targets'].shape[1:] == shape]
-  rng = jax.random.key(1)
-  state, metrics = step(state, same[0], rng)
-  jax.block_until_ready(metrics)
-  times, tokens = [], []
-  for i in range(flags.FLAGS.steps):
-    batch = same[(i + 1) % len(same)]
-    start = time.perf_counter()
-    state, metrics = step(state, batch, rng)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-    tokens.append(int((batch['targets'] > 0).sum()))
-  step_tps = statistics.median(t / s for t, s in zip(tokens, times))
-  print('| what | target tokens/s |\n|---|---|')
-  print(f'| input pipeline ({flags.FLAGS.batches} batches) | {pipeline_tps:,.0f} |')
-  print(f'| train step, batch shape {shape} (median of {flags.FLAGS.steps}) | {step_tps:,.0f} |')
-  print(f'| ratio | {pipeline_tps / step_tps:.1f}× |')
-  print(json.dumps({'pipeline_tokens_per_second': round(pipeline_tps), 'train_tokens_per_second': round(step_tps),
-                    'ratio': round(pipeline_tps / step_tps, 2)}))
+
+def cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as f:
+      return next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+  except (OSError, StopIteration):
+    return 'unknown CPU'
 
 
 if __name__ == '__main__':
