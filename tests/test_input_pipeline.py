@@ -283,3 +283,15 @@ def test_iterator_state_resumes_the_stream(files_config, vocab):
   resumed = [next(resumed_stream) for _ in range(10)]
   assert saved['step'] == 17 and sum(saved['positions']) == 17
   assert all(np.array_equal(a[k], b[k]) for a, b in zip(expected, resumed) for k in ('inputs', 'targets'))
+
+
+def test_a_shard_without_data_is_a_one_line_error(files_config, vocab):
+  with pytest.raises(input_pipeline.DataError) as error:
+    input_pipeline.train_table(files_config, vocab[1], (299, 400))  # 300 pairs: shard 299 of 400 is empty
+  assert 'shard 299 of 400 holds no sentence pair' in str(error.value) and '\n' not in str(error.value)
+
+
+def test_a_global_batch_too_small_for_the_devices_is_a_one_line_error(files_config, vocab):
+  files_config.tokens_per_batch = 64
+  with pytest.raises(bucketing.PlanError, match='config.tokens_per_batch=64 cannot hold 8 sentences of'):
+    one_process_batches(files_config, vocab[1], data_parallel_size=8)

@@ -42,10 +42,14 @@ def test_loss_matches_optax_and_counts_correct(np_rng):
 
 
 def test_without_smoothing_loss_is_nll(np_rng):
-  logits = jnp.asarray(np_rng.normal(size=(2, 3, 7)).astype(np.float32))
-  targets = jnp.asarray(np.array([[1, 2, 3], [4, 5, 0]], np.int32))
-  sums = losses.loss_and_metrics(logits, targets, 0.0)
-  assert float(sums['loss']) == float(sums['nll'])
+  logits = np_rng.normal(size=(2, 3, 7)).astype(np.float32)
+  targets = np.array([[1, 2, 3], [4, 5, 0]], np.int32)
+  sums = losses.loss_and_metrics(jnp.asarray(logits), jnp.asarray(targets), 0.0)
+  # The negative log-likelihood of the 5 non-padding targets, by hand in float64.
+  log_p = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+  nll = -sum(log_p[b, t, targets[b, t]] for b in range(2) for t in range(3) if targets[b, t])
+  np.testing.assert_allclose(float(sums['loss']), nll, rtol=1e-5)
+  np.testing.assert_allclose(float(sums['nll']), nll, rtol=1e-5)
 
 
 def test_paper_bleu_splits_compounds():

@@ -42,8 +42,9 @@ def _env4():
 
 
 def _run(commands, kill_after_step=None, workdir=None):
-  """Runs both processes; with `kill_after_step`, kill -9 process 1 (then 0) once that step is logged and
-  a checkpoint is on disk. Returns the outputs of processes 0 and 1."""
+  """Runs both processes; with `kill_after_step`, kill -9 process 1 once that step is logged and a
+  checkpoint is on disk (process 0 then fails in its next collective, or is killed after 10 s, as a
+  scheduler tears down a job). Returns the processes and their outputs."""
   processes = [subprocess.Popen(c, env=_env4(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for c in commands]
   if kill_after_step is not None:
@@ -52,9 +53,12 @@ def _run(commands, kill_after_step=None, workdir=None):
         deadline = time.time() + 60
         while not checkpointing.available_steps(workdir) and time.time() < deadline:
           time.sleep(0.05)
-        processes[1].kill()  # one host dies; the job is then torn down, as a scheduler would
-        processes[0].kill()
+        processes[1].kill()  # one host dies
         break
+    try:
+      processes[0].wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      processes[0].kill()
   outputs = [p.communicate(timeout=600)[0] for p in processes]
   return processes, outputs
 
@@ -78,8 +82,9 @@ def reference(corpus, tmp_path_factory):
 def test_two_hosts_resume_bitwise_after_kill(corpus, reference, tmp_path):
   expected_dir, outputs = reference
   killed = str(tmp_path / 'killed')
-  processes, _ = _run(_commands(killed, corpus), kill_after_step=13, workdir=killed)
-  assert processes[0].returncode == -signal.SIGKILL
+  processes, outputs = _run(_commands(killed, corpus), kill_after_step=13, workdir=killed)
+  assert processes[1].returncode == -signal.SIGKILL
+  print('process 0 after process 1 was killed: exit status', processes[0].returncode)
   restored_from = checkpointing.available_steps(killed)[-1]
   assert 8 <= restored_from < STEPS
   processes, outputs = _run(_commands(killed, corpus))

@@ -16,14 +16,14 @@ def test_notebook_is_paired_with_its_jupytext_script():
   assert [c.source for c in notebook.cells] == [c.source for c in script.cells]
 
 
-def test_quickstart_executes_and_draws(tmp_path):
+def test_quickstart_executes_and_draws(tmp_path, monkeypatch):
   from nbclient import NotebookClient
   if not os.path.exists(os.path.join(ROOT, '..', 'shared', 'data', 'multi30k', 'val.en.gz')):
     pytest.skip('../shared/data/multi30k is not beside this checkout')
   notebook = nbformat.read(NOTEBOOK, as_version=4)
-  os.environ['FLAX_TRANSFORMER_NOTEBOOK_TINY'] = '1'
-  os.environ['NOTEBOOK_WORKDIR'] = str(tmp_path / 'work')
-  os.environ['MPLBACKEND'] = 'module://matplotlib_inline.backend_inline'
+  monkeypatch.setenv('FLAX_TRANSFORMER_NOTEBOOK_TINY', '1')  # the kernel inherits these; later tests do not
+  monkeypatch.setenv('NOTEBOOK_WORKDIR', str(tmp_path / 'work'))
+  monkeypatch.setenv('MPLBACKEND', 'module://matplotlib_inline.backend_inline')
   client = NotebookClient(notebook, timeout=170, kernel_name='python3',
                           resources={'metadata': {'path': os.path.join(ROOT, 'notebooks')}})
   client.execute()  # raises CellExecutionError on any failing cell

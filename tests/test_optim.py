@@ -17,10 +17,22 @@ def test_schedule_equals_the_formula():
 def test_optimizer_starts_at_paper_step_one(tiny_config):
   tx, schedule = optim.create_optimizer(tiny_config, 16)
   np.testing.assert_allclose(float(schedule(0)), 16**-0.5 * 1 * 10**-1.5, rtol=1e-6)
-  params = {'w': np.ones(3, np.float32)}
-  state = tx.init(params)
-  adam_state = [s for s in state if isinstance(s, optax.ScaleByAdamState)][0]
-  assert adam_state.count == 0
+  # Two Adam updates by hand with §5.3's beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9 and the schedule's first
+  # two rates; epsilon matters because the first gradient's last entry is 1e-9.
+  gradients = [np.array([0.5, -2.0, 1e-9], np.float64), np.array([0.1, 3.0, -1e-9], np.float64)]
+  m, v, params = np.zeros(3), np.zeros(3), np.ones(3)
+  expected = []
+  for t, g in enumerate(gradients, 1):
+    m, v = 0.9 * m + 0.1 * g, 0.98 * v + 0.02 * g ** 2
+    rate = 16 ** -0.5 * min(t ** -0.5, t * 10 ** -1.5)
+    params = params - rate * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.98 ** t)) + 1e-9)
+    expected.append(params.copy())
+  state = tx.init({'w': np.ones(3, np.float32)})
+  current = {'w': np.ones(3, np.float32)}
+  for g, want in zip(gradients, expected):
+    updates, state = tx.update({'w': g.astype(np.float32)}, state, current)
+    current = optax.apply_updates(current, updates)
+    np.testing.assert_allclose(np.asarray(current['w']), want, rtol=1e-6)
 
 
 def test_gradient_clipping_is_a_switch(tiny_config):
