@@ -67,7 +67,7 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
   grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)  # Gradient of the per-token mean loss.
   new_state = state.apply_gradients(grads=grads)
   metrics = {'loss': sums['loss'] / tokens, 'nll': sums['nll'] / tokens, 'accuracy': sums['correct'] / tokens,
-             'tokens': sums['tokens'], 'grad_norm': optax.global_norm(grads)}
+             'tokens': sums['tokens'], 'grad_norm': optax.tree.norm(grads)}
   return new_state, metrics
 
 

@@ -96,7 +96,10 @@ def test_two_hosts_resume_bitwise_after_kill(corpus, reference, tmp_path):
   assert comparison['evaluations'] >= 1 and comparison['differing_evaluations'] == []
   saved = sorted(n for n in os.listdir(os.path.join(killed, 'checkpoints', str(STEPS), 'data')) if n.endswith('.json'))
   assert saved == ['process_0.json', 'process_1.json']
-  states = [json.load(open(os.path.join(killed, 'checkpoints', str(STEPS), 'data', name))) for name in saved]
+  states = []
+  for name in saved:
+    with open(os.path.join(killed, 'checkpoints', str(STEPS), 'data', name)) as f:
+      states.append(json.load(f))
   assert [s['shard'] for s in states] == [[0, 2], [1, 2]] and states[0]['positions'] == states[1]['positions']
 
 

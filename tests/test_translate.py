@@ -10,7 +10,6 @@ import pytest
 from flax_transformer import checkpointing, train_loop
 from tests.test_train_loop import ROOT, _env, small_run
 
-pytestmark = pytest.mark.filterwarnings('ignore')
 
 
 @pytest.fixture(scope='module')

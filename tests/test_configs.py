@@ -1,0 +1,39 @@
+"""configs/base.py and configs/big.py carry the paper's values (Table 3, §5.1–5.4, §6.1)."""
+
+import numpy as np
+import optax
+import pytest
+
+from configs import base, big
+from flax_transformer import optim
+from flax_transformer.model import TransformerConfig
+
+
+@pytest.mark.parametrize('name,module,sizes,dropout,steps,average', [
+    ('base', base, (512, 8, 2048, 6), 0.1, 100_000, 5),
+    ('big', big, (1024, 16, 4096, 6), 0.3, 300_000, 20),
+])
+def test_paper_values(name, module, sizes, dropout, steps, average):
+  config = module.get_config()
+  m = config.model
+  assert (m.d_model, m.num_heads, m.d_ff, m.num_encoder_layers) == sizes and m.num_decoder_layers == sizes[3]
+  assert m.dropout_rate == dropout and m.attention_dropout_rate == 0.0  # §5.4: residual dropout only
+  assert not m.pre_norm and m.share_embeddings and not m.learned_positions  # §3.1, §3.4, §3.5
+  assert (config.adam_b1, config.adam_b2, config.adam_eps) == (0.9, 0.98, 1e-9)  # §5.3
+  assert config.warmup_steps == 4000 and config.learning_rate_factor == 1.0 and config.lr_decay == 'inverse_sqrt'
+  assert config.label_smoothing == 0.1 and config.tokens_per_batch == 25_000  # §5.4, §5.1
+  assert config.num_train_steps == steps and config.average_last == average  # §5.2, §6.1
+  assert (config.beam_size, config.length_penalty_alpha, config.max_extra_length) == (4, 0.6, 50)  # §6.1
+  assert config.grad_clip_norm == 0.0 and config.cooldown_steps == 0
+  TransformerConfig.from_config(config)  # and the architecture builds from it
+
+
+def test_base_optimizer_applies_the_papers_first_update():
+  config = base.get_config()
+  tx, schedule = optim.create_optimizer(config, config.model.d_model)
+  g = np.array([0.5, -2.0, 1e-9], np.float32)
+  updates, _ = tx.update({'w': g}, tx.init({'w': np.zeros(3, np.float32)}), {'w': np.zeros(3, np.float32)})
+  # Step 1 of Adam(0.9, 0.98, 1e-9): m̂ = g, v̂ = g², update = -lr · g / (|g| + 1e-9), lr = 512^-0.5 · 4000^-1.5.
+  rate = 512 ** -0.5 * 4000 ** -1.5
+  np.testing.assert_allclose(np.asarray(updates['w']), -rate * g / (np.abs(g.astype(np.float64)) + 1e-9), rtol=1e-5)
+  assert isinstance(tx, optax.GradientTransformation) and float(schedule(0)) == pytest.approx(rate, rel=1e-6)

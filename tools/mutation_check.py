@@ -1,0 +1,139 @@
+"""Mutation check: each one-line departure from the paper must make at least one test fail.
+
+python tools/mutation_check.py [--only=SUBSTRING] [--list]
+
+Copies the tracked files to a temporary directory, applies one mutation at a time (an exact, unique
+one-line replacement), runs the tests that guard it, and prints caught / total and every survivor.
+Exit status 1 if any mutation survives. Run before every change to model, layers, losses, optim, decode
+or average.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_TESTS = 'tests/test_model.py'
+DECODE_TESTS = 'tests/test_decode.py'
+
+# (what departs from the paper, file, original fragment (unique in the file), mutated fragment, tests that catch it)
+MUTATIONS = [
+    ('Adam beta1 0.9 -> 0.8', 'configs/base.py', 'config.adam_b1 = 0.9', 'config.adam_b1 = 0.8', 'tests/test_optim.py'),
+    ('Adam beta2 0.98 -> 0.999', 'configs/base.py', 'config.adam_b2 = 0.98', 'config.adam_b2 = 0.999',
+     'tests/test_optim.py'),
+    ('Adam epsilon 1e-9 -> 1e-8', 'configs/base.py', 'config.adam_eps = 1e-9', 'config.adam_eps = 1e-8',
+     'tests/test_optim.py'),
+    ('warmup 4000 -> 8000', 'configs/base.py', 'config.warmup_steps = 4000', 'config.warmup_steps = 8000',
+     'tests/test_optim.py'),
+    ('schedule exponent -1.5 -> -1.0', 'flax_transformer/optim.py', 'step_num * warmup_steps**-1.5',
+     'step_num * warmup_steps**-1.0', 'tests/test_optim.py'),
+    ('label smoothing 0.1 -> 0.2', 'configs/base.py', 'config.label_smoothing = 0.1', 'config.label_smoothing = 0.2',
+     'tests/test_losses.py tests/test_optim.py'),
+    ('embedding scale sqrt(d_model) removed', 'flax_transformer/layers.py', 'return embedded * jnp.sqrt(self.d_model)',
+     'return embedded', MODEL_TESTS),
+    ('attention scale 1/sqrt(d_k) removed', 'flax_transformer/layers.py',
+     'query = query / jnp.sqrt(depth).astype(query.dtype)', 'query = query', MODEL_TESTS),
+    ('sinusoid base 10000 -> 1000', 'flax_transformer/layers.py', 'np.power(10000.0,', 'np.power(1000.0,',
+     MODEL_TESTS),
+    ('sin and cos swapped', 'flax_transformer/layers.py', 'table[:, 0::2] = np.sin(position / div_term)',
+     'table[:, 0::2] = np.cos(position / div_term)', MODEL_TESTS),
+    ('Post-LN turned to Pre-LN on the default path', 'flax_transformer/model.py',
+     'return self.norm(x + self.dropout(sublayer(x), deterministic=deterministic))',
+     'return x + self.dropout(sublayer(self.norm(x)), deterministic=deterministic)', MODEL_TESTS),
+    ('dropout removed from the embedding sum', 'flax_transformer/model.py',
+     'x = self.embedding_dropout(x, deterministic=deterministic)', 'x = x', MODEL_TESTS),
+    ('dropout removed from sub-layer outputs', 'flax_transformer/model.py',
+     'return self.norm(x + self.dropout(sublayer(x), deterministic=deterministic))',
+     'return self.norm(x + sublayer(x))', MODEL_TESTS),
+    ('attention dropout on by default', 'configs/base.py', 'config.model.attention_dropout_rate = 0.0',
+     'config.model.attention_dropout_rate = 0.1', MODEL_TESTS),
+    ('causal mask off by one (sees the next token)', 'flax_transformer/layers.py',
+     'allowed = jnp.tril(jnp.ones((length, length), dtype=bool))',
+     'allowed = jnp.tril(jnp.ones((length, length), dtype=bool), 1)', MODEL_TESTS),
+    ('no padding mask in cross-attention', 'flax_transformer/model.py',
+     'memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]\n    y = self._embed(decoder_inputs',
+     'memory_bias = jnp.zeros((inputs.shape[0], 1, 1, inputs.shape[1]))\n    y = self._embed(decoder_inputs',
+     MODEL_TESTS),
+    ('target shift off by one', 'flax_transformer/model.py',
+     'jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]',
+     'jnp.pad(targets, ((0, 0), (0, 0)), constant_values=PAD_ID)', MODEL_TESTS),
+    ('loss normalised by all tokens', 'flax_transformer/losses.py',
+     "'correct': jnp.sum(correct * weights), 'tokens': jnp.sum(weights)}",
+     "'correct': jnp.sum(correct * weights), 'tokens': jnp.asarray(weights.size, jnp.float32)}",
+     'tests/test_losses.py tests/test_steps.py'),
+    ('length penalty alpha 0.6 -> 1.0', 'configs/base.py', 'config.length_penalty_alpha = 0.6',
+     'config.length_penalty_alpha = 1.0', DECODE_TESTS + ' tests/test_translate.py'),
+    ('length penalty (5 + len) / 6 -> len', 'flax_transformer/decode.py',
+     'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
+     'return jnp.asarray(length, jnp.float32) ** alpha', DECODE_TESTS),
+    ('maximum output input + 50 -> + 40', 'configs/base.py', 'config.max_extra_length = 50',
+     'config.max_extra_length = 40', DECODE_TESTS + ' tests/test_translate.py'),
+    ('beam search stops early on any finished sentence', 'flax_transformer/decode.py',
+     'return (step < length) & ~jnp.all(sentence_done)', 'return (step < length) & ~jnp.any(sentence_done)',
+     DECODE_TESTS),
+    ('checkpoint averaging over k + 1', 'flax_transformer/average.py', 'return steps[-count:]',
+     'return steps[-count - 1:]', 'tests/test_translate.py'),
+    ('three-way embedding tie broken (output projection)', 'flax_transformer/model.py',
+     'return self.target_embedding.embedding', 'return jax.lax.stop_gradient(self.target_embedding.embedding) * 0.5',
+     MODEL_TESTS + ' tests/test_steps.py'),
+]
+# A config value is guarded by the table of the paper's values as well.
+MUTATIONS = [(n, p, o, m, f'tests/test_configs.py {t}' if p.startswith('configs/') else t)
+             for n, p, o, m, t in MUTATIONS]
+
+
+def tracked_files() -> list[str]:
+  return subprocess.run(['git', 'ls-files'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+
+def run_mutation(copy: str, mutation) -> tuple[bool, float]:
+  """Applies `mutation` in `copy`, runs its tests, restores the file; (caught, seconds)."""
+  _, path, original, mutated, tests = mutation
+  full = os.path.join(copy, path)
+  with open(full) as f:
+    text = f.read()
+  if text.count(original) != 1:
+    raise SystemExit(f'error: {path} holds {text.count(original)} copies of {original!r}; update MUTATIONS')
+  with open(full, 'w') as f:
+    f.write(text.replace(original, mutated))
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', PYTHONPATH=copy)
+  start = time.perf_counter()
+  try:
+    result = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider', *tests.split()],
+                            cwd=copy, env=env, capture_output=True, text=True, timeout=1800)
+  finally:
+    with open(full, 'w') as f:
+      f.write(text)
+  return result.returncode != 0, time.perf_counter() - start
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='', help='Run the mutations whose name contains this.')
+  parser.add_argument('--list', action='store_true', help='List the mutations and exit.')
+  args = parser.parse_args()
+  chosen = [m for m in MUTATIONS if args.only in m[0]]
+  if args.list:
+    print('\n'.join(f'{m[0]}  [{m[1]}]' for m in chosen))
+    return 0
+  with tempfile.TemporaryDirectory() as copy:
+    for name in tracked_files():
+      os.makedirs(os.path.dirname(os.path.join(copy, name)), exist_ok=True)
+      shutil.copy2(os.path.join(ROOT, name), os.path.join(copy, name))
+    survivors = []
+    print('| mutation | caught | seconds |\n|---|---|---|', flush=True)
+    for mutation in chosen:
+      caught, seconds = run_mutation(copy, mutation)
+      print(f'| {mutation[0]} | {"yes" if caught else "**no**"} | {seconds:.0f} |', flush=True)
+      if not caught:
+        survivors.append(mutation[0])
+  print(f'caught {len(chosen) - len(survivors)} / {len(chosen)}; survivors: {", ".join(survivors) or "none"}')
+  return 1 if survivors else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
