@@ -157,3 +157,17 @@ def test_averaging_checkpoints(tmp_path):
   checkpointing.save_params(str(tmp_path / 'checkpoints'), 7, mean)
   restored = checkpointing.restore_params(str(tmp_path), 7, mean)
   np.testing.assert_allclose(np.asarray(restored['w']), mean['w'])
+
+
+def test_average_takes_exactly_the_last_k_checkpoints(small_model_config, tmp_path):
+  """§6.1: the last k checkpoints, no more: saved weights 1×, 2×, 3×, 4× the same tree average to 3.5× with k=2."""
+  from flax_transformer import average
+  model = Transformer(small_model_config)
+  ids = np.ones((1, 3), np.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids)['params'])
+  for i, step in enumerate((10, 20, 30, 40), 1):
+    checkpointing.save_params(str(tmp_path / 'checkpoints'), step, jax.tree_util.tree_map(lambda x: x * i, params))
+  averaged, chosen = average.averaged_params(str(tmp_path), 2, small_model_config)
+  assert chosen == [30, 40]
+  for a, b in zip(jax.tree_util.tree_leaves(averaged), jax.tree_util.tree_leaves(params)):
+    np.testing.assert_allclose(np.asarray(a), 3.5 * np.asarray(b), rtol=1e-6)

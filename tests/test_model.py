@@ -1,5 +1,6 @@
 """The network against torch.nn.Transformer with the same weights, and its structural invariants."""
 
+import dataclasses
 import math
 
 import jax
@@ -231,3 +232,29 @@ def test_dropout_scales_kept_values():
   np.testing.assert_allclose(np.unique(out), [0.0, 1 / 0.75], rtol=1e-6)
   assert abs(out.mean() - 1.0) < 0.02
   np.testing.assert_array_equal(layers.Dropout(0.25).apply({}, x, True), x)
+
+
+def test_dropout_sits_where_the_paper_puts_it(small_model_config, monkeypatch):
+  """§5.4: dropout on each sub-layer's output before the residual add, and on the embedding + position sums
+  of both stacks; none elsewhere (attention dropout is off by default)."""
+  config = dataclasses.replace(small_model_config, dropout_rate=0.1)
+  calls = []
+  original = layers.Dropout.__call__
+
+  def record(self, x, deterministic):
+    calls.append(('/'.join(self.path), deterministic))
+    return original(self, x, deterministic)
+
+  model = Transformer(config)
+  ids = np.ones((2, 5), np.int32)
+  params = model.init(jax.random.key(0), ids, ids)['params']
+  monkeypatch.setattr(layers.Dropout, '__call__', record)
+  model.apply({'params': params}, ids, ids, train=True, rngs={'dropout': jax.random.key(1)})
+  # The layer stacks are scanned: each layer's modules are traced once per layer.
+  encoder = ['encoder/attention_sublayer/dropout', 'encoder/feed_forward_sublayer/dropout']
+  decoder = ['decoder/self_attention_sublayer/dropout', 'decoder/cross_attention_sublayer/dropout',
+             'decoder/feed_forward_sublayer/dropout']
+  expected = (['embedding_dropout'] + encoder * config.num_encoder_layers
+              + ['embedding_dropout'] + decoder * config.num_decoder_layers)
+  assert [name for name, _ in calls] == expected
+  assert not any(deterministic for _, deterministic in calls)

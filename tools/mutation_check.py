@@ -76,7 +76,7 @@ MUTATIONS = [
      'return (step < length) & ~jnp.all(sentence_done)', 'return (step < length) & ~jnp.any(sentence_done)',
      DECODE_TESTS),
     ('checkpoint averaging over k + 1', 'flax_transformer/average.py', 'return steps[-count:]',
-     'return steps[-count - 1:]', 'tests/test_translate.py'),
+     'return steps[-count - 1:]', DECODE_TESTS),
     ('three-way embedding tie broken (output projection)', 'flax_transformer/model.py',
      'return self.target_embedding.embedding', 'return jax.lax.stop_gradient(self.target_embedding.embedding) * 0.5',
      MODEL_TESTS + ' tests/test_steps.py'),
