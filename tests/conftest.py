@@ -13,7 +13,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.set_visible_devices([], 'GPU')
 
 # Tests compile many identical programs (same tiny model, fresh jit objects): a persistent
-# compilation cache for the session turns the repeats into look-ups.
+# compilation cache for the test run turns the repeats into look-ups.
 jax.config.update('jax_compilation_cache_dir', os.environ.get('JAX_TEST_CACHE_DIR', '/tmp/flax_transformer_jax_cache'))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
