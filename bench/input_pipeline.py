@@ -52,7 +52,7 @@ def synthetic_corpus(directory: str, pairs: int, seed: int = 0) -> tuple[str, st
   return tuple(paths)
 
 
-def config_for(source: str, paths: tuple[str, str], shards: int):
+def config_for(source: str, paths: tuple[str, str]):
   from configs import base
   config = base.get_config()
   config.model.vocab_size = 8000
@@ -65,7 +65,7 @@ def config_for(source: str, paths: tuple[str, str], shards: int):
 
 def time_source(source: str, paths, shards: int, vocab_path: str) -> dict:
   from flax_transformer import input_pipeline
-  config = config_for(source, paths, shards)
+  config = config_for(source, paths)
   cores = len(os.sched_getaffinity(0))
   builds, serves = [], []
   for _ in range(flags.FLAGS.repeats):
@@ -94,7 +94,7 @@ def main(argv):
   from flax_transformer import input_pipeline, tokenizer
   os.makedirs(flags.FLAGS.workdir, exist_ok=True)
   paths = synthetic_corpus(flags.FLAGS.workdir, flags.FLAGS.pairs)
-  files_config = config_for('files', paths, 1)
+  files_config = config_for('files', paths)
   _, vocab_path = tokenizer.train_or_load(files_config, flags.FLAGS.workdir,
                                           lambda: input_pipeline.python_pairs(files_config))
   rows = []

@@ -222,9 +222,9 @@ def _schedule_seed(seed: int, stream: int) -> int:
   return (int(seed) % 2 ** 31) * 2 ** 16 + stream
 
 
-def initial_state(plan: bucketing.BatchPlan, shard: tuple[int, int], seed: int, step: int = 0) -> dict:
-  """The data state of a stream that starts at `step` with every shape at its first batch."""
-  return {'step': step, 'positions': [0] * len(plan.batch_sizes), 'seed': int(seed), 'shard': list(shard),
+def initial_state(plan: bucketing.BatchPlan, shard: tuple[int, int], seed: int) -> dict:
+  """The data state of a fresh stream: step 0, every shape at its first batch."""
+  return {'step': 0, 'positions': [0] * len(plan.batch_sizes), 'seed': int(seed), 'shard': list(shard),
           'plan': plan.fingerprint()}
 
 
