@@ -70,7 +70,8 @@ def run(f) -> None:
       beam_size=f.beam_size if f.beam_size is not None else config.beam_size,
       alpha=f.alpha if f.alpha is not None else config.length_penalty_alpha,
       max_extra_length=config.max_extra_length,
-      batch_tokens=f.batch_tokens or config.eval_tokens_per_batch, progress=progress)
+      batch_tokens=f.batch_tokens or config.eval_tokens_per_batch, progress=progress,
+      top_k=config.get('beam_top_k', 'auto'))
   print(file=sys.stderr)
   text = ''.join(t + '\n' for t in translations)
   if f.output == '-':

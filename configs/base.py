@@ -16,7 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_decoder_layers = 6
   config.model.dropout_rate = 0.1  # §5.4 P_drop.
   config.model.attention_dropout_rate = 0.0  # The paper uses none.
-  config.model.dropout_masks = 'hash'  # Masks from a fused index hash; 'random' draws jax.random bits per element.
+  config.model.dropout_masks = 'auto'  # 'hash' (fused index hash, faster on CPU), 'random' (jax.random); auto: hash on CPU only.
+  config.model.attention = 'auto'  # jax.nn.dot_product_attention: 'cudnn' on GPU in bf16, else 'xla'; 'explicit' writes it out.
   config.model.pre_norm = False  # Post-LN, as in §3.1.
   config.model.learned_positions = False  # Sinusoids (§3.5); Table 3 row E shows they tie.
   config.model.share_embeddings = True  # §3.4.
@@ -64,6 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0
   config.restore_data_state = True  # False: a resumed run restarts the data stream (e.g. after changing the process count).
   config.dropout_rng_impl = 'rbg'  # Key generator for dropout seeds (and for every mask when model.dropout_masks='random').
+  config.output_loss = 'auto'  # 'fused': hand-written projection + loss gradient (faster on CPU); 'optax': autodiff.
 
   # --- Checkpoints, evaluation, logging ---
   config.checkpoint_every_steps = 1000
@@ -78,8 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.length_penalty_alpha = 0.6
   config.max_extra_length = 50  # Maximum output length = input length + 50.
   config.average_last = 5  # Checkpoints averaged for the final model (base: 5).
+  config.beam_top_k = 'auto'  # 'two_stage' (block maxima first, faster on CPU) or 'lax' (jax.lax.top_k); auto: by platform.
 
   # --- Devices ---
+  config.platform = ''  # '' runs on whatever JAX finds; 'gpu' or 'tpu' refuses to start anywhere else.
   config.mesh_shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices.
   # Multi-process runs: TPU pods and SLURM are detected from the environment; elsewhere set all three.
   config.coordinator_address = ''  # host:port of process 0, e.g. '10.0.0.1:1234'.

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_transformer import platforms
+
 PAD_ID, EOS_ID = 0, 1
 NEG_INF = -1.0e7
 
@@ -24,17 +26,19 @@ def length_penalty(length, alpha: float):
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def top_k(x: jax.Array, k: int):
-  """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages.
+def top_k(x: jax.Array, k: int, method: str = 'auto'):
+  """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages
+  (method 'two_stage'), or `jax.lax.top_k` itself (method 'lax'); 'auto' picks by platform (platforms.py).
 
   XLA:CPU's top-k sorts each whole row; over a vocabulary that costs more than the rest of a beam step.
   The k largest entries lie in the k blocks (of 64–128 entries, a divisor of v) with the largest
   maxima, so the search takes those blocks' maxima, then the top k of the entries of the chosen blocks
   (in index order, so ties resolve to the lowest index, as lax.top_k does).
   """
+  method = platforms.top_k(method)
   rows, width = x.shape
   block = next((b for b in range(128, 63, -1) if width % b == 0), None)
-  if block is None or width < 4 * k * block:
+  if method == 'lax' or block is None or width < 4 * k * block:
     return jax.lax.top_k(x, k)
   blocks = x.reshape(rows, width // block, block)  # [r, nb, block]
   _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [r, k]
@@ -55,7 +59,8 @@ def gather_leading_rows(tree, rows):
 
 
 def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
-                beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID, reorder_cache=gather_leading_rows):
+                beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID, reorder_cache=gather_leading_rows,
+                top_k_method: str = 'auto'):
   """Beam search returning the best hypothesis of each sentence.
 
   Args:
@@ -66,6 +71,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     max_decode_len: static upper bound of max_lengths (the size of the output and the cache).
     beam_size: n. alpha: length-penalty exponent (0 = none).
     reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
+    top_k_method: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
   Returns:
     (tokens [b, max_decode_len] int32, ending with EOS unless cut at the length limit, 0-padded;
      scores [b]: the length-penalised log-probabilities).
@@ -102,7 +108,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps
     # a row's order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array).
     per_row = min(2 * n, vocab)
-    row_logits, row_tokens = top_k(logits, per_row)  # [bn, k]
+    row_logits, row_tokens = top_k(logits, per_row, top_k_method)  # [bn, k]
     row_log_probs = (row_logits - log_normalizer).reshape(batch, n, per_row)  # [b, n, k]
     candidates = (state['live_scores'][:, :, None] + row_log_probs).reshape(batch, n * per_row)  # [b, n·k]
     # 2n candidates always include n that do not end here.
@@ -172,7 +178,7 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
 # --- The Transformer as a tokens_to_logits callback ------------------------------------------
 
 def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_extra_length: int,
-                    max_decode_len: int):
+                    max_decode_len: int, top_k_method: str = 'auto'):
   """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_decode_len], scores [b]).
 
   Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
@@ -191,14 +197,16 @@ def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_
   if beam_size <= 1:
     return greedy_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len)
   return beam_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len, beam_size, alpha,
-                     reorder_cache=type(model).reorder_cache)
+                     reorder_cache=type(model).reorder_cache, top_k_method=top_k_method)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_decode_len: int):
-  """One compiled predict step per (model, beam, alpha, lengths); cached across calls."""
+def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_decode_len: int,
+                     top_k_method: str = 'auto'):
+  """One compiled predict step per (model, beam, alpha, lengths, top-k method); cached across calls."""
   return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size, alpha=alpha,
-                                   max_extra_length=max_extra_length, max_decode_len=max_decode_len))
+                                   max_extra_length=max_extra_length, max_decode_len=max_decode_len,
+                                   top_k_method=top_k_method))
 
 
 def decode_length(source_length: int, max_extra_length: int, max_len: int) -> int:

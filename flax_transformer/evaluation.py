@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import sacrebleu
 
-from flax_transformer import decode, tokenizer
+from flax_transformer import decode, platforms, tokenizer
 from flax_transformer.model import Transformer
 
 
@@ -51,11 +51,12 @@ def _round_up(x: int, to: int) -> int:
 
 def translate_sentences(params, model_config, processor, sentences: list[str], *, beam_size: int, alpha: float,
                         max_extra_length: int, batch_tokens: int = 4096, progress=None,
-                        should_stop=None) -> list[str] | None:
+                        should_stop=None, top_k: str = 'auto') -> list[str] | None:
   """Translates `sentences` in length-sorted batches and returns the translations in input order.
 
   Empty sentences translate to empty strings; sources longer than the model's position table are cut.
   Returns None, abandoning the rest, as soon as `should_stop()` is true (checked before each batch).
+  top_k: config.beam_top_k ('auto', 'two_stage' or 'lax').
   """
   model = Transformer(model_config)
   limit = model_config.max_len - 1
@@ -74,7 +75,8 @@ def translate_sentences(params, model_config, processor, sentences: list[str], *
     for row, i in enumerate(indices):
       inputs[row, :len(encoded[i])] = encoded[i]
     max_decode_len = decode.decode_length(source_length, max_extra_length, model_config.max_len)
-    translate = decode.jitted_translate(model, beam_size, alpha, max_extra_length, max_decode_len)
+    translate = decode.jitted_translate(model, beam_size, alpha, max_extra_length, max_decode_len,
+                                            platforms.top_k(top_k))
     tokens, _ = translate(params, inputs)
     tokens = np.asarray(jax.device_get(tokens))
     for row, i in enumerate(indices):

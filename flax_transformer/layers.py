@@ -16,6 +16,16 @@ from flax import linen as nn
 Dtype = Any
 NEG_INF = -1e9  # Added to masked attention logits; finite so all-masked rows stay NaN-free.
 
+def float32_accumulating_einsum(spec: str, x: jax.Array, y: jax.Array, dtype: Dtype) -> jax.Array:
+  """einsum of x and y in `dtype` with float32 accumulation and a float32 result.
+
+  In bf16 the algorithm is stated (bf16 inputs, f32 accumulation), so autodiff's transposed products, whose
+  cotangent is float32, also round their inputs to bf16 instead of running as float32 products.
+  """
+  algorithm = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if jnp.dtype(dtype) == jnp.bfloat16 else None
+  return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), precision=algorithm, preferred_element_type=jnp.float32)
+
+
 # Initialisers of the reference implementations (tensor2tensor, fairseq, torch).
 xavier_uniform = nn.initializers.xavier_uniform()
 zeros = nn.initializers.zeros_init()
@@ -58,9 +68,10 @@ class Embeddings(nn.Module):
     return embedded * jnp.sqrt(self.d_model)  # float32: the residual stream stays float32 (see LayerNorm)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    """x [b, l, e] -> logits [b, l, v] with the same (transposed) matrix, in float32: bf16 logits
-    (3 significant digits) blur the small differences the loss is made of."""
-    return jnp.einsum('ble,ve->blv', x.astype(jnp.float32), self.embedding)
+    """x [b, l, e] -> logits [b, l, v] with the same (transposed) matrix: the product runs in the compute
+    dtype, accumulated and returned in float32 (bf16 logits, 3 significant digits, would blur the small
+    differences the loss is made of)."""
+    return float32_accumulating_einsum('ble,ve->blv', x, self.embedding, self.dtype)  # [b, l, v]
 
 
 class OutputProjection(nn.Module):
@@ -74,7 +85,7 @@ class OutputProjection(nn.Module):
                              (self.d_model, self.vocab_size), jnp.float32)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum('ble,ev->blv', x.astype(jnp.float32), self.kernel)  # [b, l, v], float32 as in Embeddings.attend
+    return float32_accumulating_einsum('ble,ev->blv', x, self.kernel, self.dtype)  # [b, l, v] float32, as attend
 
 
 class PositionalEncoding(nn.Module):
@@ -97,15 +108,32 @@ class PositionalEncoding(nn.Module):
     return x + positions[None].astype(x.dtype)  # [b, l, e]
 
 
+def key_lengths(key_ids: jax.Array) -> jax.Array:
+  """Right-padded key_ids [b, k] (0 = padding, only after the sentence) -> real keys per row [b] int32.
+
+  At least 1, so an all-padding row (batch filler) attends to its first key instead of to nothing: no
+  kernel sees an empty row, and its output is discarded anyway (its targets carry no weight).
+  """
+  return jnp.maximum(jnp.sum(key_ids > 0, axis=-1), 1).astype(jnp.int32)
+
+
 def padding_bias(key_ids: jax.Array) -> jax.Array:
-  """key_ids [b, k] (0 = padding) -> additive bias [b, 1, 1, k]."""
-  return jnp.where(key_ids > 0, 0.0, NEG_INF)[:, None, None, :].astype(jnp.float32)
+  """Right-padded key_ids [b, k] -> additive bias [b, 1, 1, k] hiding the padding (as `key_lengths` does)."""
+  positions = jnp.arange(key_ids.shape[-1])  # [k]
+  visible = positions[None, :] < key_lengths(key_ids)[:, None]  # [b, k]
+  return jnp.where(visible, 0.0, NEG_INF)[:, None, None, :].astype(jnp.float32)
 
 
-def causal_bias(length: int) -> jax.Array:
-  """-> additive bias [1, 1, length, length] that hides future positions (§3.2.3)."""
-  allowed = jnp.tril(jnp.ones((length, length), dtype=bool))  # [q, k]
-  return jnp.where(allowed, 0.0, NEG_INF)[None, None].astype(jnp.float32)
+def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None, causal: bool) -> jax.Array:
+  """The additive bias [b or 1, 1, q, k] of `key_lengths` (None: every key visible) and a causal mask (§3.2.3)."""
+  bias = jnp.zeros((1, 1, query_length, key_length), jnp.float32)  # [1, 1, q, k]
+  if lengths is not None:
+    visible = jnp.arange(key_length)[None, :] < lengths[:, None]  # [b, k]
+    bias = bias + jnp.where(visible, 0.0, NEG_INF)[:, None, None, :]  # [b, 1, 1, k]
+  if causal:
+    allowed = jnp.tril(jnp.ones((query_length, key_length), dtype=bool))  # [q, k]
+    bias = bias + jnp.where(allowed, 0.0, NEG_INF)[None, None]
+  return bias
 
 
 def _fmix32(x: jax.Array) -> jax.Array:
@@ -155,23 +183,41 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
 
 
-def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_method='hash'):
-  """§3.2.1: softmax(QKᵀ/√d + bias) V.
+ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn', 'explicit')
 
+
+def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_method='hash'):
+  """§3.2.1: softmax(QKᵀ/√d + bias) V, written out: the reference for `library_attention`, and the path that
+  returns the weights (attention pictures) and applies attention dropout (which the library does not).
+
+  Logits accumulate in float32 whatever the inputs' dtype; softmax runs in float32.
   Args:
     query: [b, q, h, d]; key, value: [b, k, h, d]; bias: broadcastable to [b, h, q, k].
   Returns:
     (context [b, q, h, d], weights [b, h, q, k] float32).
   """
-  depth = query.shape[-1]
-  query = query / jnp.sqrt(depth).astype(query.dtype)
-  logits = jnp.einsum('bqhd,bkhd->bhqk', query, key).astype(jnp.float32)  # [b, h, q, k]
+  scale = 1.0 / np.sqrt(query.shape[-1])
+  logits = float32_accumulating_einsum('bqhd,bkhd->bhqk', query, key, query.dtype) * scale  # [b, h, q, k]
   weights = jax.nn.softmax(logits + bias, axis=-1)  # [b, h, q, k]
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = dropout_keep_mask(dropout_rng, dropout_rate, weights.shape, dropout_method)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   context = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(value.dtype), value)  # [b, q, h, d]
   return context, weights
+
+
+def library_attention(query, key, value, lengths, causal: bool, implementation: str = 'xla'):
+  """The same attention through `jax.nn.dot_product_attention`: XLA's fused graph, or cuDNN's fused kernel
+  (flash attention) on GPUs in bf16. Padding is given as per-row key counts (`key_lengths`), the form
+  cuDNN takes without materialising a mask; `causal` hides future positions.
+
+  Args:
+    query: [b, q, h, d]; key, value: [b, k, h, d]; lengths: [b] int32 or None (every key visible).
+  Returns:
+    context [b, q, h, d].
+  """
+  return jax.nn.dot_product_attention(query, key, value, is_causal=causal, key_value_seq_lengths=lengths,
+                                      implementation=implementation)
 
 
 class MultiHeadAttention(nn.Module):
@@ -188,6 +234,7 @@ class MultiHeadAttention(nn.Module):
   attention_dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   dropout_method: str = 'hash'  # See dropout_keep_mask.
+  implementation: str = 'xla'  # One of ATTENTION_IMPLEMENTATIONS: jax.nn.dot_product_attention's, or 'explicit'.
 
   def setup(self):
     head_dim = self.d_model // self.num_heads
@@ -233,20 +280,28 @@ class MultiHeadAttention(nn.Module):
     """context [b, q, h, d] -> [b, q, e]."""
     return jnp.einsum('bqhd,hde->bqe', context, self.out_kernel.astype(self.dtype)) + self.out_bias.astype(self.dtype)
 
-  def _attend(self, query, key, value, bias, deterministic):
+  def _attend(self, query, key, value, lengths, causal, deterministic):
+    """query [b, q, h, d], key/value [b, k, h, d], lengths [b] or None -> [b, q, e].
+
+    The library computes it unless the written-out form is needed: attention dropout (not in the paper;
+    the library has none) or attention weights asked for with mutable=['intermediates'] (pictures).
+    """
     rate = 0.0 if deterministic else self.attention_dropout_rate
+    if self.implementation != 'explicit' and rate == 0.0 and not self.is_mutable_collection('intermediates'):
+      return self._output(library_attention(query, key, value, lengths, causal, self.implementation))
     rng = self.make_rng('dropout') if rate > 0.0 else None
+    bias = attention_bias(query.shape[1], key.shape[1], lengths, causal)  # [b or 1, 1, q, k]
     context, weights = scaled_dot_product_attention(query, key, value, bias, rate, rng, self.dropout_method)
-    # Stored only when the caller asks for mutable=['intermediates'] (attention pictures).
     self.sow('intermediates', 'attention_weights', weights)
     return self._output(context)
 
-  def __call__(self, x, bias, memory=None, deterministic=True):
+  def __call__(self, x, lengths, memory=None, causal=False, deterministic=True):
     """Full-sequence attention (training, scoring, encoding).
 
     Args:
-      x: queries [b, q, e]; bias: [b or 1, 1, q or 1, k]; memory: encoder output [b, k, e] for
-        encoder-decoder attention, None for self-attention.
+      x: queries [b, q, e]; lengths: [b] int32 real keys per row (`key_lengths`), None for all;
+      memory: encoder output [b, k, e] for encoder-decoder attention, None for self-attention;
+      causal: hide future positions (decoder self-attention).
     Returns:
       [b, q, e].
     """
@@ -257,7 +312,7 @@ class MultiHeadAttention(nn.Module):
       query = self._project(x, self.q_kernel, self.q_bias, 'bqe,ehd->bqhd')  # [b, q, h, d]
       key, value = self.project_memory(memory)  # [b, k, h, d]
     query = nn.with_logical_constraint(query, ('batch', 'length', 'heads', 'kv'))
-    return self._attend(query, key, value, bias, deterministic)
+    return self._attend(query, key, value, lengths, causal, deterministic)
 
   # --- Incremental decoding -------------------------------------------------------------
 
@@ -278,6 +333,10 @@ class MultiHeadAttention(nn.Module):
   def decode_step(self, x, cache, step, memory_bias=None):
     """One decoding step for every hypothesis.
 
+    Written out rather than through `jax.nn.dot_product_attention`: a step has one query per hypothesis,
+    where a fused kernel has no [q, k] tile to save, and the cache's layout (keys [.., d, k]) is chosen
+    so each step's products are plain matrix-vector products, a layout the library does not take.
+
     Args:
       x: [b·n, 1, e], the current token's input to this sub-layer (n hypotheses per sentence).
       cache: this layer's cache (see `init_cache`).
@@ -286,7 +345,7 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ([b·n, 1, e], the updated cache).
     """
-    depth = jnp.sqrt(self.d_model // self.num_heads).astype(self.dtype)  # §3.2.1 scaling, as in training
+    scale = 1.0 / np.sqrt(self.d_model // self.num_heads)  # §3.2.1, applied to float32 logits as in training
     if self.self_attention:
       qkv = self._project(x[:, 0], self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'be,ejhd->bjhd')  # [bn, 3, h, d]
       cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, 1, :, :, None], step, axis=3),
@@ -294,7 +353,7 @@ class MultiHeadAttention(nn.Module):
       max_len = cache['value'].shape[2]
       bias = jnp.where(jnp.arange(max_len) <= step, 0.0, NEG_INF)  # [max_len]: positions not yet written
       # Batched matrix-vector products in the cache's own layout: nothing is transposed per step.
-      logits = jnp.einsum('bhd,bhdk->bhk', qkv[:, 0] / depth, cache['key']).astype(jnp.float32)  # [bn, h, k]
+      logits = jnp.einsum('bhd,bhdk->bhk', qkv[:, 0], cache['key'], preferred_element_type=jnp.float32) * scale  # [bn, h, k]
       weights = jax.nn.softmax(logits + bias, axis=-1)  # [bn, h, k]
       self.sow('intermediates', 'attention_weights', weights[:, :, None, :])  # [bn, h, 1, k]
       context = jnp.einsum('bhk,bhkd->bhd', weights.astype(self.dtype), cache['value'])  # [bn, h, d]
@@ -303,8 +362,8 @@ class MultiHeadAttention(nn.Module):
     key, value = cache['key'], cache['value']  # [b, h, d, s], [b, h, s, d]
     batch = key.shape[0]
     query = self._project(x[:, 0], self.q_kernel, self.q_bias, 'be,ehd->bhd')  # [bn, h, d]
-    query = query.reshape(batch, -1, *query.shape[1:]) / depth  # [b, n, h, d]: hypotheses act as queries
-    logits = jnp.einsum('bnhd,bhds->bhns', query, key).astype(jnp.float32)  # [b, h, n, s]
+    query = query.reshape(batch, -1, *query.shape[1:])  # [b, n, h, d]: hypotheses act as queries
+    logits = jnp.einsum('bnhd,bhds->bhns', query, key, preferred_element_type=jnp.float32) * scale  # [b, h, n, s]
     weights = jax.nn.softmax(logits + memory_bias, axis=-1)  # [b, h, n, s]
     self.sow('intermediates', 'attention_weights',
              jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, s]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from flax_transformer import layers
+from flax_transformer import layers, platforms
 from flax_transformer.errors import ConfigError
 
 PAD_ID = 0  # Padding, and the decoder's start symbol.
@@ -32,7 +32,8 @@ class TransformerConfig:
   num_decoder_layers: int = 6
   dropout_rate: float = 0.1  # §5.4 P_drop, on sub-layer outputs and embedding + position sums.
   attention_dropout_rate: float = 0.0  # The paper has none; tensor2tensor later added it.
-  dropout_masks: str = 'hash'  # 'hash' (fused counter-based masks) or 'random' (jax.random.bernoulli).
+  dropout_masks: str = 'auto'  # 'hash' (fused counter-based masks), 'random' (jax.random.bernoulli), 'auto'.
+  attention: str = 'auto'  # 'xla' or 'cudnn' (jax.nn.dot_product_attention), 'explicit' (layers.py), 'auto'.
   pre_norm: bool = False  # False: Post-LN, LayerNorm(x + Dropout(Sublayer(x))) as in §3.1.
   learned_positions: bool = False  # Table 3 row E.
   share_embeddings: bool = True  # §3.4: one matrix for source, target and pre-softmax.
@@ -56,10 +57,16 @@ class TransformerConfig:
     for field in ('dropout_rate', 'attention_dropout_rate'):
       if not 0.0 <= getattr(self, field) < 1.0:
         fail(field, 'must be in [0, 1)')
-    if self.dropout_masks not in ('hash', 'random'):
-      fail('dropout_masks', "unknown value; use 'hash' or 'random'")
     if self.dtype not in _DTYPES:
       fail('dtype', f'unknown value; use one of {sorted(_DTYPES)}')
+    # 'auto' resolves here, once, for the platform JAX runs on (see platforms.py).
+    for field, choices in (('dropout_masks', platforms.DROPOUT_MASKS), ('attention', platforms.ATTENTION)):
+      if getattr(self, field) not in choices + ('auto',):
+        fail(field, f"unknown value; use one of {', '.join(choices + ('auto',))}")
+    if self.dropout_masks == 'auto':
+      object.__setattr__(self, 'dropout_masks', platforms.dropout_masks())
+    if self.attention == 'auto':
+      object.__setattr__(self, 'attention', platforms.attention(self.dtype, self.d_model // self.num_heads))
     for field in ('pre_norm', 'learned_positions', 'share_embeddings'):
       if not isinstance(getattr(self, field), bool):
         fail(field, 'must be True or False')
@@ -101,14 +108,14 @@ class EncoderLayer(nn.Module):
   def setup(self):
     c = self.config
     self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
-                                                    c.compute_dtype, c.dropout_masks)
+                                                    c.compute_dtype, c.dropout_masks, c.attention)
     self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
     self.attention_sublayer = SublayerConnection(c)
     self.feed_forward_sublayer = SublayerConnection(c)
 
-  def __call__(self, x, bias, deterministic):
-    """x [b, l, e], bias [b, 1, 1, l] -> ([b, l, e], None): the (carry, output) pair nn.scan expects."""
-    x = self.attention_sublayer(x, lambda y: self.self_attention(y, bias, deterministic=deterministic),
+  def __call__(self, x, lengths, deterministic):
+    """x [b, l, e], lengths [b] (real tokens per row) -> ([b, l, e], None): the (carry, output) pair nn.scan expects."""
+    x = self.attention_sublayer(x, lambda y: self.self_attention(y, lengths, deterministic=deterministic),
                                 deterministic)
     return self.feed_forward_sublayer(x, self.feed_forward, deterministic), None
 
@@ -120,9 +127,9 @@ class DecoderLayer(nn.Module):
   def setup(self):
     c = self.config
     self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
-                                                    c.compute_dtype, c.dropout_masks)
+                                                    c.compute_dtype, c.dropout_masks, c.attention)
     self.cross_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, False, c.attention_dropout_rate,
-                                                     c.compute_dtype, c.dropout_masks)
+                                                     c.compute_dtype, c.dropout_masks, c.attention)
     self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
     self.self_attention_sublayer = SublayerConnection(c)
     self.cross_attention_sublayer = SublayerConnection(c)
@@ -132,12 +139,12 @@ class DecoderLayer(nn.Module):
   # because nn.scan runs both over the stacked layers with the same in_axes. decode_step is called per
   # layer (Transformer.decode_step), outside the scan.
 
-  def __call__(self, y, unused_layer_input, memory, self_bias, memory_bias, deterministic):
-    """y [b, t, e], memory [b, s, e], self_bias [1, 1, t, t], memory_bias [b, 1, 1, s] -> ([b, t, e], None)."""
+  def __call__(self, y, unused_layer_input, memory, memory_lengths, unused, deterministic):
+    """y [b, t, e], memory [b, s, e], memory_lengths [b] (real source tokens) -> ([b, t, e], None)."""
     y = self.self_attention_sublayer(
-        y, lambda z: self.self_attention(z, self_bias, deterministic=deterministic), deterministic)
+        y, lambda z: self.self_attention(z, None, causal=True, deterministic=deterministic), deterministic)
     y = self.cross_attention_sublayer(
-        y, lambda z: self.cross_attention(z, memory_bias, memory, deterministic=deterministic), deterministic)
+        y, lambda z: self.cross_attention(z, memory_lengths, memory, deterministic=deterministic), deterministic)
     return self.feed_forward_sublayer(y, self.feed_forward, deterministic), None
 
   def init_cache(self, carry, unused_layer_input, memory, batch_size, max_len, unused=None):
@@ -224,9 +231,8 @@ class Transformer(nn.Module):
 
   def encode(self, inputs: jax.Array, train: bool = False) -> jax.Array:
     """inputs [b, s] int32 (0 = padding) -> encoder output [b, s, e]."""
-    bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     x = self._embed(inputs, self.source_embedding, self.source_positions, not train)
-    x, _ = self.encoder(x, bias, not train)
+    x, _ = self.encoder(x, layers.key_lengths(inputs), not train)
     if self.config.pre_norm:
       x = self.encoder_norm(x)
     return x
@@ -234,10 +240,8 @@ class Transformer(nn.Module):
   def _decoder_stack(self, encoded, inputs, targets, train):
     """Teacher-forced decoder stack: encoded [b, s, e], inputs [b, s], targets [b, t] -> [b, t, e]."""
     decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]  # [b, t] shifted right
-    self_bias = layers.causal_bias(targets.shape[1])  # [1, 1, t, t]
-    memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, not train)
-    y, _ = self.decoder(y, None, encoded, self_bias, memory_bias, not train)
+    y, _ = self.decoder(y, None, encoded, layers.key_lengths(inputs), None, not train)
     return y
 
   def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:

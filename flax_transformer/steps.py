@@ -41,7 +41,7 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
       hidden = model.apply({'params': params}, inputs, targets, train=True, rngs={'dropout': micro_rng},
                            method=model.features)  # [b, t, e]
       weight = model.apply({'params': params}, method=model.output_weight)  # [v, e]
-      sums = losses.projected_loss_and_metrics(hidden, weight, targets, label_smoothing)
+      sums = losses.projected_loss_and_metrics(hidden, weight, targets, label_smoothing, model_config.compute_dtype)
     else:
       logits = model.apply({'params': params}, inputs, targets, train=True, rngs={'dropout': micro_rng})
       sums = losses.loss_and_metrics(logits, targets, label_smoothing)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import (checkpointing, evaluation, input_pipeline, optim, partitioning, steps,
+from flax_transformer import (checkpointing, evaluation, input_pipeline, optim, partitioning, platforms, steps,
                               tokenizer)
 from flax_transformer.errors import ConfigError, UserError
 from flax_transformer.model import TransformerConfig
@@ -126,8 +126,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   tf.config.set_visible_devices([], 'GPU')
   tf.config.set_visible_devices([], 'TPU') if tf.config.list_physical_devices('TPU') else None
   maybe_initialize_distributed(config)
+  platforms.check(config.platform)
   check_config(config)
   model_config = TransformerConfig.from_config(config)
+  fused_output_loss = platforms.fused_output_loss(config.output_loss)
   is_chief = jax.process_index() == 0
   workdir = os.path.abspath(workdir)
   checkpointing.check_workdir(workdir, config)
@@ -163,10 +165,15 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   train_iter = input_pipeline.process_train_batches(config, vocab_path, shard, dp_size,
                                                     data_seed(config.seed, start_step), data_state)
 
+  if is_chief:
+    num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    print(platforms.banner(config, model_config, mesh, num_params, len(train_iter.plan.used_shapes),
+                           fused_output_loss), flush=True)
   _, schedule = optim.create_optimizer(config, model_config.d_model)
   train_step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
-                        gradient_accumulation_steps=config.gradient_accumulation_steps), mesh, state_shardings)
+                        gradient_accumulation_steps=config.gradient_accumulation_steps,
+                        fused_output_loss=fused_output_loss), mesh, state_shardings)
   eval_step = partitioning.jit_eval_step(
       functools.partial(steps.eval_step, model_config=model_config, label_smoothing=config.label_smoothing),
       mesh, state_shardings.params)
@@ -224,7 +231,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
                                                   beam_size=config.beam_size, alpha=config.length_penalty_alpha,
                                                   max_extra_length=config.max_extra_length,
                                                   batch_tokens=config.eval_tokens_per_batch,
-                                                  should_stop=stopping)
+                                                  should_stop=stopping, top_k=config.beam_top_k)
       if hypotheses is None:
         results = None
       else:

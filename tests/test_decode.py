@@ -117,10 +117,11 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
   model = Transformer(config)
   params = nn.meta.unbox(model.init(jax.random.key(4), batch['inputs'], batch['targets'])['params'])
   inputs = jnp.asarray(batch['inputs'])
-  cached, cached_scores = decode.jitted_translate(model, 4, 0.6, 6, 16)(params, inputs)
   expected, expected_scores = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 4, 0.6, 6, 16))(params, inputs)
-  np.testing.assert_array_equal(np.asarray(cached), np.asarray(expected))
-  np.testing.assert_allclose(np.asarray(cached_scores), np.asarray(expected_scores), rtol=1e-4, atol=1e-5)
+  for method in ('two_stage', 'lax'):  # the CPU choice and the GPU/TPU choice (platforms.py) agree
+    cached, cached_scores = decode.jitted_translate(model, 4, 0.6, 6, 16, method)(params, inputs)
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(expected))
+    np.testing.assert_allclose(np.asarray(cached_scores), np.asarray(expected_scores), rtol=1e-4, atol=1e-5)
 
   # The comparison is sensitive: a search that never moves the cache finds other translations.
   def stale(params, inputs):
@@ -140,7 +141,7 @@ def test_blocked_top_k_equals_lax_top_k(ties, width):
   shape = (16, width)
   # Integers below 1000: the 8 largest of 5120 often tie, within and across blocks.
   x = rng.integers(0, 1000, shape).astype(np.float32) if ties else rng.normal(size=shape).astype(np.float32)
-  values, indices = jax.jit(decode.top_k, static_argnums=1)(x, 8)
+  values, indices = jax.jit(decode.top_k, static_argnums=(1, 2))(x, 8, 'two_stage')
   expected_values, expected_indices = jax.lax.top_k(x, 8)
   np.testing.assert_array_equal(values, expected_values)
   np.testing.assert_array_equal(indices, expected_indices)

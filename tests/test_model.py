@@ -184,6 +184,7 @@ def test_initialisation_follows_reference_implementations(small_model_config):
     ('dtype', 'float16x', "config.model.dtype='float16x': unknown value"),
     ('pre_norm', 'yes', "config.model.pre_norm='yes'"),
     ('dropout_masks', 'philox', "config.model.dropout_masks='philox': unknown value"),
+    ('attention', 'flash', "config.model.attention='flash': unknown value"),
 ])
 def test_bad_configuration_is_a_one_line_error(small_model_config, field, value, message):
   with pytest.raises(ValueError) as error:
@@ -258,3 +259,62 @@ def test_dropout_sits_where_the_paper_puts_it(small_model_config, monkeypatch):
               + ['embedding_dropout'] + decoder * config.num_decoder_layers)
   assert [name for name, _ in calls] == expected
   assert not any(deterministic for _, deterministic in calls)
+
+
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_library_attention_equals_written_out_attention(np_rng, causal, dtype):
+  """jax.nn.dot_product_attention with key lengths and a causal flag == softmax(QKᵀ/√d + bias) V written out."""
+  b, q, k, h, d = 3, 5, 7, 2, 8
+  query, key, value = (jnp.asarray(np_rng.normal(size=(b, length, h, d)), dtype) for length in (q, k, k))
+  if causal:
+    key = key[:, :q]
+    value = value[:, :q]
+  key_ids = np.zeros((b, key.shape[1]), np.int32)
+  for row, n in enumerate([key.shape[1], 3, 0]):  # full, padded, all padding (batch filler)
+    key_ids[row, :n] = 5
+  lengths = None if causal else layers.key_lengths(key_ids)
+  library = layers.library_attention(query, key, value, lengths, causal)
+  bias = layers.attention_bias(q, key.shape[1], lengths, causal)
+  written, weights = layers.scaled_dot_product_attention(query, key, value, bias)
+  tolerance = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(library, np.float32), np.asarray(written, np.float32),
+                             atol=tolerance, rtol=tolerance)
+  if not causal:  # the padding really is hidden: weights on padded keys are 0
+    assert float(jnp.max(weights[1, :, :, 3:])) == 0.0
+
+
+def test_model_with_library_attention_equals_written_out(small_model_config, np_rng):
+  batch = random_batch(np_rng, 4, 9, 7, small_model_config.vocab_size)
+  outputs = {}
+  for attention in ('xla', 'explicit'):
+    config = dataclasses.replace(small_model_config, attention=attention)
+    model = Transformer(config)
+    params = model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params']
+    outputs[attention] = model.apply({'params': params}, batch['inputs'], batch['targets'])
+  np.testing.assert_allclose(outputs['xla'], outputs['explicit'], atol=2e-5, rtol=2e-5)
+
+
+def test_auto_choices_follow_the_platform():
+  from flax_transformer import platforms
+  assert TransformerConfig(vocab_size=64, d_model=32, num_heads=4).dropout_masks == 'hash'  # tests run on CPU
+  assert TransformerConfig(vocab_size=64, d_model=32, num_heads=4).attention == 'xla'
+  assert [platforms.dropout_masks(p) for p in ('cpu', 'gpu', 'tpu')] == ['hash', 'random', 'random']
+  assert [platforms.top_k('auto', p) for p in ('cpu', 'gpu', 'tpu')] == ['two_stage', 'lax', 'lax']
+  assert [platforms.fused_output_loss('auto', p) for p in ('cpu', 'gpu', 'tpu')] == [True, False, False]
+  assert platforms.fused_output_loss('optax', 'cpu') is False and platforms.fused_output_loss('fused', 'gpu') is True
+  assert platforms.attention('bfloat16', 64, 'gpu') == 'cudnn'
+  assert platforms.attention('float32', 64, 'gpu') == 'xla'
+  assert platforms.attention('bfloat16', 64, 'tpu') == 'xla'
+  assert platforms.attention('bfloat16', 256, 'gpu') == 'xla'  # beyond cuDNN's head sizes
+
+
+def test_a_platform_that_is_absent_is_a_one_line_error():
+  from flax_transformer import platforms
+  from flax_transformer.errors import ConfigError
+  platforms.check('')
+  platforms.check('cpu')
+  with pytest.raises(ConfigError, match=r"config.platform='gpu' but JAX finds only cpu devices .*install jax"):
+    platforms.check('gpu')
+  with pytest.raises(ConfigError, match="config.platform='cuda': unknown value"):
+    platforms.check('cuda')
