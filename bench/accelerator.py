@@ -1,12 +1,15 @@
 """Accelerator benchmark (run by bench/gpu.sh on a GPU): the paper's base and big train steps in float32 and
-bfloat16, as a fraction of the same run's bf16 matmul peak, and beam-4 decoding on newstest-like lengths.
+bfloat16, as a fraction of the same run's bf16 matmul peak, beside what the capacity plan
+(flax_transformer/plan.py, compiled on CPU) predicts for the same step; and beam-4 decoding.
 
 python bench/accelerator.py [--shapes base,big] [--dtypes float32,bfloat16] [--tokens 16384] [--steps 10]
 python bench/accelerator.py --smoke   (tiny shapes and sizes: checks the script itself on a CPU in a minute)
 
-Train steps: batches of `--tokens` target tokens (and as many source tokens) in sentences of 64 tokens, all real,
-dropout 0.1, Adam, label smoothing 0.1; median of `--steps` steps after two warm-up steps. Model FLOPs as in
-bench/train_step.py. Decoding: beam 4, 128 random sources of 32 tokens, exactly 64 generated tokens each (EOS
+Train steps: configs/base.py and configs/big.py (configs/tiny.py with --smoke) with batches of `--tokens` target
+tokens (and as many source tokens) in sentences of 64 tokens, all real, dropout 0.1, Adam, label smoothing 0.1;
+median of `--steps` steps after two warm-up steps. Model FLOPs: plan.analytic_flops. The plan's columns: its
+step time at 40% of the measured bf16 peak, and its per-device memory (parameters + Adam + XLA:CPU's
+temporaries) beside this device's compiler's. Decoding: beam 4, 128 random sources of 32 tokens, exactly 64 generated tokens each (EOS
 disabled), random weights. Prints markdown tables; the last line is one JSON object.
 """
 
@@ -15,17 +18,21 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SHAPES = {  # Table 3 of the paper, with a 32k shared vocabulary.
-    'base': dict(vocab=32768, d_model=512, layers=6, heads=8, d_ff=2048),
-    'big': dict(vocab=32768, d_model=1024, layers=6, heads=16, d_ff=4096),
-    'smoke': dict(vocab=512, d_model=64, layers=2, heads=4, d_ff=128),
+SHAPES = {  # Table 3 of the paper (configs/base.py, configs/big.py); 'smoke' is configs/tiny.py.
+    'base': dict(vocab=37000, d_model=512, layers=6, heads=8, d_ff=2048),
+    'big': dict(vocab=37000, d_model=1024, layers=6, heads=16, d_ff=4096),
+    'smoke': dict(vocab=64, d_model=16, layers=2, heads=2, d_ff=32),
 }
+CONFIGS = {'base': 'configs/base.py', 'big': 'configs/big.py', 'smoke': 'configs/tiny.py'}
+PLANNED_MFU = 0.4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SENTENCE_LENGTH = 64
 
 
@@ -34,8 +41,20 @@ def peak_memory_gb(jax) -> float | None:
   return stats['peak_bytes_in_use'] / 2**30 if 'peak_bytes_in_use' in stats else None
 
 
-def time_train_step(shape: dict, dtype: str, tokens: int, steps: int) -> float:
-  """Median seconds per train step."""
+def planned(name: str, dtype: str, tokens: int, peak_tflops: float) -> dict:
+  """The capacity plan of the measured step (same config, batch and one device), compiled on the CPU."""
+  command = [sys.executable, '-m', 'flax_transformer.plan', f'--config={CONFIGS[name]}', '--devices=1',
+             '--mesh=(1,1,1)', f'--config.model.dtype={dtype}', f'--config.max_length={SENTENCE_LENGTH}',
+             f'--config.tokens_per_batch={tokens}', f'--peak_tflops={peak_tflops}', f'--mfu={PLANNED_MFU}']
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': ROOT})
+  if result.returncode:
+    raise RuntimeError(f'plan failed: {result.stderr[-500:]}')
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def time_train_step(shape: dict, dtype: str, tokens: int, steps: int) -> tuple[float, int]:
+  """(median seconds per train step, the device compiler's bytes for arguments + temporaries)."""
   import numpy as np
   from train_step import build_ours  # bench/train_step.py
   rng = np.random.default_rng(0)
@@ -48,7 +67,8 @@ def time_train_step(shape: dict, dtype: str, tokens: int, steps: int) -> float:
     run()
     if i >= 2:
       times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  memory = run.memory_analysis()
+  return statistics.median(times), int(memory.argument_size_in_bytes + memory.temp_size_in_bytes)
 
 
 def time_beam_search(jax, shape: dict, dtype: str, batch: int, source_length: int, output_length: int) -> float:
@@ -83,7 +103,8 @@ def main():
   args = parser.parse_args()
   import jax
   import jax.numpy as jnp
-  from train_step import matmul_peak, model_flops  # bench/train_step.py
+  from train_step import matmul_peak  # bench/train_step.py
+  from flax_transformer import plan
   shapes = ['smoke'] if args.smoke else args.shapes.split(',')
   dtypes = args.dtypes.split(',')
   tokens = 1024 if args.smoke else args.tokens
@@ -96,17 +117,23 @@ def main():
   results = []
   print(f'train step, {tokens} target tokens per batch ({tokens // SENTENCE_LENGTH} × {SENTENCE_LENGTH}), '
         f'median of {args.steps}\n')
-  print('| shape | dtype | step ms | target tokens/s | model TFLOP/s | fraction of bf16 matmul peak |')
-  print('|---|---|---|---|---|---|')
+  print('| shape | dtype | step ms | planned ms (40% MFU) | target tokens/s | model TFLOP/s | MFU (bf16 peak) '
+        '| GiB / device | planned GiB |')
+  print('|---|---|---|---|---|---|---|---|---|')
   for name in shapes:
     for dtype in dtypes:
-      seconds = time_train_step(SHAPES[name], dtype, tokens, args.steps)
-      flops = model_flops({**SHAPES[name], 'batch': tokens // SENTENCE_LENGTH, 'length': SENTENCE_LENGTH})
+      seconds, device_bytes = time_train_step(SHAPES[name], dtype, tokens, args.steps)
+      prediction = planned(name, dtype, tokens, peaks['bfloat16'] / 1e3)
+      flops = prediction['analytic_flops_per_step']
       fraction = flops / seconds / 1e9 / peaks['bfloat16']
-      print(f'| {name} | {dtype} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {flops / seconds / 1e12:.2f} | '
-            f'{fraction:.2f} |', flush=True)
+      planned_bytes = plan.total_bytes(prediction)
+      print(f'| {name} | {dtype} | {seconds * 1e3:.1f} | {prediction["step_seconds"] * 1e3:.1f} | '
+            f'{tokens / seconds:,.0f} | {flops / seconds / 1e12:.2f} | {fraction:.2f} | '
+            f'{device_bytes / 2**30:.2f} | {planned_bytes / 2**30:.2f} |', flush=True)
       results.append({'shape': name, 'dtype': dtype, 'tokens_per_second': round(tokens / seconds),
-                      'peak_fraction': round(fraction, 3)})
+                      'step_seconds': round(seconds, 5), 'planned_step_seconds': round(prediction['step_seconds'], 5),
+                      'peak_fraction': round(fraction, 3), 'device_bytes': device_bytes,
+                      'planned_bytes': planned_bytes})
 
   batch, source_length, output_length = (8, 8, 8) if args.smoke else (128, 32, 64)
   print(f'\nbeam 4 decoding: {batch} sources of {source_length} tokens, exactly {output_length} generated tokens\n')

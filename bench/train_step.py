@@ -41,12 +41,12 @@ SHAPES['multi30k'] = _multi30k_shape()
 
 
 def model_flops(s) -> float:
-  d, f, n, v, b, t = s['d_model'], s['d_ff'], s['layers'], s['vocab'], s['batch'], s['length']
-  encoder_layer = 4 * d * d + 2 * d * f
-  decoder_layer = 8 * d * d + 2 * d * f
-  dense = n * (encoder_layer + decoder_layer) + v * d  # non-embedding + output projection
-  attention = n * 3 * 2 * 2 * b * t * t * d  # enc self, dec self, cross: QKᵀ and AV, each 2·t²·d per sentence
-  return 6 * dense * b * t + 3 * attention
+  """plan.analytic_flops of shape `s` with batch × length tokens on each side."""
+  from flax_transformer import plan
+  from flax_transformer.model import TransformerConfig
+  config = TransformerConfig(vocab_size=s['vocab'], d_model=s['d_model'], num_heads=s['heads'], d_ff=s['d_ff'],
+                             num_encoder_layers=s['layers'], num_decoder_layers=s['layers'])
+  return plan.analytic_flops(config, s['batch'], s['length'], s['length'])
 
 
 def _median_gflops(product, n: int) -> float:
@@ -79,7 +79,7 @@ def build_ours(s, batch, dtype: str = 'float32', max_len: int = 64):
   """-> (run one step of our jitted train step on `batch`, the jitted step) for shape `s`."""
   import jax
   from configs import base
-  from flax_transformer import partitioning, steps
+  from flax_transformer import partitioning, platforms, steps
   from flax_transformer.model import TransformerConfig
   config = base.get_config()
   config.model.vocab_size, config.model.d_model, config.model.d_ff = s['vocab'], s['d_model'], s['d_ff']
@@ -89,14 +89,21 @@ def build_ours(s, batch, dtype: str = 'float32', max_len: int = 64):
   model_config = TransformerConfig.from_config(config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
   state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
-  step = partitioning.jit_train_step(functools.partial(steps.train_step, model_config=model_config,
-                                                       label_smoothing=0.1), mesh, shardings)
+  step = partitioning.jit_train_step(
+      functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1,
+                        fused_output_loss=platforms.fused_output_loss(config.output_loss)), mesh, shardings)
   rng = jax.random.key(1)
   holder = {'state': state}
 
   def run():
     holder['state'], metrics = step(holder['state'], batch, rng)
     jax.block_until_ready(metrics)
+
+  def memory_analysis():
+    """The compiler's own buffer assignment for this step on this device."""
+    with partitioning.mesh_context(mesh):
+      return step.jitted.lower(holder['state'], batch, rng).compile().memory_analysis()
+  run.memory_analysis = memory_analysis
   return run, step
 
 

@@ -128,12 +128,7 @@ def logical_to_shardings(boxed_tree, mesh: Mesh):
   return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
 
 
-def create_train_state(config, model_config: TransformerConfig, mesh: Mesh, rng: jax.Array):
-  """Initialises the train state directly in its sharded layout (nothing is built on one device first).
-
-  Returns (state, state_shardings).
-  """
-  check_model_fits_mesh(model_config, mesh)
+def _state_initializer(config, model_config: TransformerConfig):
   model = Transformer(model_config)
   tx, _ = optim.create_optimizer(config, model_config.d_model)
 
@@ -141,12 +136,32 @@ def create_train_state(config, model_config: TransformerConfig, mesh: Mesh, rng:
     dummy = jnp.ones((1, 1), jnp.int32)
     params = model.init(rng, dummy, dummy)['params']
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  return init
 
-  abstract_state = jax.eval_shape(init, rng)
-  shardings = logical_to_shardings(abstract_state, mesh)
+
+def create_train_state(config, model_config: TransformerConfig, mesh: Mesh, rng: jax.Array):
+  """Initialises the train state directly in its sharded layout (nothing is built on one device first).
+
+  Returns (state, state_shardings).
+  """
+  check_model_fits_mesh(model_config, mesh)
+  init = _state_initializer(config, model_config)
+  shardings = logical_to_shardings(jax.eval_shape(init, rng), mesh)
   with mesh_context(mesh):
     state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
   return state, shardings
+
+
+def abstract_train_state(config, model_config: TransformerConfig, mesh: Mesh):
+  """The train state as jax.ShapeDtypeStructs carrying their shardings: for ahead-of-time compilation
+  (plan.py), nothing is allocated. Returns (abstract state, state_shardings)."""
+  check_model_fits_mesh(model_config, mesh)
+  boxed = jax.eval_shape(_state_initializer(config, model_config), jax.random.key(0))
+  shardings = logical_to_shardings(boxed, mesh)
+  abstract = jax.tree_util.tree_map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                                                                sharding=sharding),
+                                    nn.meta.unbox(boxed), shardings)
+  return abstract, shardings
 
 
 def abstract_params(model_config: TransformerConfig):

@@ -37,3 +37,23 @@ def test_base_optimizer_applies_the_papers_first_update():
   rate = 512 ** -0.5 * 4000 ** -1.5
   np.testing.assert_allclose(np.asarray(updates['w']), -rate * g / (np.abs(g.astype(np.float64)) + 1e-9), rtol=1e-5)
   assert isinstance(tx, optax.GradientTransformation) and float(schedule(0)) == pytest.approx(rate, rel=1e-6)
+
+
+def test_package_pins_equal_the_requirements_files():
+  """pyproject.toml (pip install -e .[cuda12|tpu|test]) and requirements*.txt (CI) pin the same versions."""
+  import os
+  import tomllib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def pins(name):
+    with open(os.path.join(root, name)) as f:
+      lines = [line.split('#')[0].strip() for line in f]
+    return sorted(line for line in lines if line and not line.startswith('-r'))
+
+  with open(os.path.join(root, 'pyproject.toml'), 'rb') as f:
+    project = tomllib.load(f)['project']
+  assert sorted(project['dependencies']) == pins('requirements.txt')
+  assert sorted(project['optional-dependencies']['test']) == pins('requirements-test.txt')
+  jax_version = next(p for p in project['dependencies'] if p.startswith('jax=='))[len('jax=='):]
+  assert project['optional-dependencies']['cuda12'] == [f'jax[cuda12]=={jax_version}']
+  assert project['optional-dependencies']['tpu'] == [f'jax[tpu]=={jax_version}']

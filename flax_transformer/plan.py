@@ -1,0 +1,263 @@
+"""A capacity plan without the devices: compile the real train step ahead of time for N devices and say
+what each device holds, how many FLOPs a step is, and, given a peak and an MFU, how long training takes.
+
+  python -m flax_transformer.plan --config=configs/big.py --devices=8 --mesh='(1,8,1)' \
+      --peak_tflops=989 --mfu=0.4 --device_memory_gb=80
+
+The step is compiled by XLA:CPU over `--devices` fake CPU devices, for the config's longest batch shape
+(config.max_length on both sides, as many rows as config.tokens_per_batch holds): parameter and optimizer
+bytes follow exactly from the shardings; temporaries are XLA:CPU's buffer assignment for the same
+program (a GPU or TPU compiler fuses differently, so treat them as an estimate); FLOPs are XLA's
+cost_analysis() beside the analytic count (6 · parameters · tokens plus attention). Where the step does
+not fit `--device_memory_gb`, the plan compiles the mesh or accumulation that does and says so.
+The last line printed is one JSON object.
+"""
+
+import os
+import sys
+
+
+def _take_devices_flag(argv: list[str]) -> int:
+  """--devices must be known before JAX starts: it sets the number of fake CPU devices."""
+  for i, arg in enumerate(argv):
+    if arg.startswith('--devices='):
+      return int(arg.split('=', 1)[1])
+    if arg == '--devices' and i + 1 < len(argv):
+      return int(argv[i + 1])
+  return 8
+
+
+if __name__ == '__main__':
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             f' --xla_force_host_platform_device_count={_take_devices_flag(sys.argv)}')
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import ast  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from flax_transformer import partitioning, platforms, steps  # noqa: E402
+from flax_transformer.errors import ConfigError  # noqa: E402
+from flax_transformer.model import TransformerConfig  # noqa: E402
+
+GIB = 2**30
+
+
+def analytic_flops(model_config: TransformerConfig, rows: int, source_length: int, target_length: int) -> float:
+  """Model FLOPs of one training step (forward + backward = 3 × forward, 2 FLOPs per multiply-add).
+
+  Dense: 6 · N · tokens, N the weights each token meets (embedding look-ups are free, the pre-softmax
+  projection is not): encoder layers per source token, decoder layers and the projection per target token.
+  Attention: QKᵀ and AV, 2 · 2 · q · k · d_model per sentence and layer, for encoder self-, decoder self-
+  and encoder-decoder attention.
+  """
+  d, f, n, v = model_config.d_model, model_config.d_ff, model_config.num_encoder_layers, model_config.vocab_size
+  m = model_config.num_decoder_layers
+  encoder_weights = n * (4 * d * d + 2 * d * f)
+  decoder_weights = m * (8 * d * d + 2 * d * f) + v * d
+  dense = 6 * (encoder_weights * rows * source_length + decoder_weights * rows * target_length)
+  attention = 3 * 4 * d * rows * (n * source_length**2 + m * target_length**2 + m * target_length * source_length)
+  return float(dense + attention)
+
+
+def longest_batch_shape(config, dp: int) -> tuple[int, int, int]:
+  """(rows, source length, target length) of the config's longest batch: its most memory-hungry step."""
+  length = config.max_length
+  multiple = dp * config.gradient_accumulation_steps
+  rows = config.tokens_per_batch // length // multiple * multiple
+  if rows < multiple:
+    raise ConfigError(f'config.tokens_per_batch={config.tokens_per_batch} cannot hold {multiple} sentences of '
+                      f'{length} tokens; raise it or lower config.max_length')
+  return rows, length, length
+
+
+def _bytes_per_device(abstract_tree) -> int:
+  """The largest per-device share of a tree of sharded ShapeDtypeStructs."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(abstract_tree):
+    total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+  return total
+
+
+def for_target(config, target: str):
+  """The config with its 'auto' choices made for the `target` platform ('cuDNN' attention compiles only on a
+  GPU, so XLA's attention stands in for it)."""
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    if config.model.get('dropout_masks', 'auto') == 'auto':
+      config.model.dropout_masks = platforms.dropout_masks(target)
+    if config.model.get('attention', 'auto') in ('auto', 'cudnn'):
+      config.model.attention = 'xla'
+    config.output_loss = 'fused' if platforms.fused_output_loss(config.get('output_loss', 'auto'), target) else 'optax'
+  return config
+
+
+def _compiled_step(config, mesh):
+  """The train step for the config's longest batch, compiled for `mesh`; returns (compiled, abstract state, batch shape)."""
+  model_config = TransformerConfig.from_config(config)
+  rows, source_length, target_length = longest_batch_shape(config, partitioning.data_parallel_size(mesh))
+  state, shardings = partitioning.abstract_train_state(config, model_config, mesh)
+  step = partitioning.jit_train_step(
+      functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
+                        gradient_accumulation_steps=config.gradient_accumulation_steps,
+                        fused_output_loss=platforms.fused_output_loss(config.output_loss)),
+      mesh, shardings)
+  batch_sharding = partitioning.batch_sharding(mesh)
+  batch = {'inputs': jax.ShapeDtypeStruct((rows, source_length), jnp.int32, sharding=batch_sharding),
+           'targets': jax.ShapeDtypeStruct((rows, target_length), jnp.int32, sharding=batch_sharding)}
+  with partitioning.mesh_context(mesh):
+    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=config.dropout_rng_impl)).compile()
+  return compiled, state, (rows, source_length, target_length)
+
+
+def compile_step(config, mesh_shape) -> dict:
+  """Compiles the train step for the config's longest batch on `mesh_shape`; returns per-device figures.
+
+  Memory comes from the program as configured. XLA's cost analysis counts a loop body once, so the FLOPs
+  come from a second compilation with the layer scan unrolled (each layer counted as it runs).
+  """
+  mesh = partitioning.create_mesh(mesh_shape)
+  compiled, state, (rows, source_length, target_length) = _compiled_step(config, mesh)
+  memory = compiled.memory_analysis()
+  layers = max(config.model.num_encoder_layers, config.model.num_decoder_layers)
+  if config.model.scan_unroll < layers:
+    unrolled = config.copy_and_resolve_references()
+    with unrolled.unlocked():
+      unrolled.model.scan_unroll = layers
+    compiled, _, _ = _compiled_step(unrolled, mesh)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  devices = mesh.devices.size
+  model_config = TransformerConfig.from_config(config)
+  return {
+      'mesh': dict(mesh.shape), 'devices': devices, 'rows': rows, 'source_length': source_length,
+      'target_length': target_length, 'tokens_per_step': rows * (source_length + target_length),
+      'param_count': sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(state.params)),
+      'param_bytes_per_device': _bytes_per_device(state.params),
+      'optimizer_bytes_per_device': _bytes_per_device(state.opt_state),
+      'temp_bytes_per_device': int(memory.temp_size_in_bytes),
+      'flops_per_step': float(cost.get('flops', 0.0)) * devices,  # cost_analysis is per device (one partition)
+      'analytic_flops_per_step': analytic_flops(model_config, rows, source_length, target_length),
+  }
+
+
+def total_bytes(figures: dict) -> int:
+  return figures['param_bytes_per_device'] + figures['optimizer_bytes_per_device'] + figures['temp_bytes_per_device']
+
+
+def candidate_fixes(config, mesh_shape, devices: int):
+  """Meshes that shard more state (FSDP over all devices, then tensor parallelism), then gradient accumulation."""
+  data, fsdp, model = mesh_shape
+  meshes = [(1, devices, 1)] + [(1, devices // tp, tp) for tp in (2, 4, 8) if devices % tp == 0]
+  for mesh in meshes:
+    if tuple(mesh) != (data, fsdp, model):
+      yield f'--mesh={mesh}', mesh, config.gradient_accumulation_steps
+  for k in (2, 4, 8):
+    yield f'--mesh={meshes[0]} --config.gradient_accumulation_steps={k * config.gradient_accumulation_steps}', \
+        meshes[0], k * config.gradient_accumulation_steps
+
+
+def resolve_mesh(mesh_shape, devices: int) -> tuple[int, int, int]:
+  shape = list(mesh_shape)
+  if -1 in shape:
+    shape[shape.index(-1)] = devices // max(1, -math.prod(shape))
+  return tuple(shape)
+
+
+def table(figures: dict, peak_tflops: float, mfu: float, memory_gb: float | None) -> str:
+  rows = [('parameters (float32)', f'{figures["param_count"]:,}'),
+          ('mesh', ' x '.join(f'{k}={v}' for k, v in figures['mesh'].items())),
+          ('longest batch', f'{figures["rows"]} x ({figures["source_length"]} + {figures["target_length"]}) tokens'),
+          ('parameter bytes / device', f'{figures["param_bytes_per_device"] / GIB:.2f} GiB'),
+          ('optimizer bytes / device', f'{figures["optimizer_bytes_per_device"] / GIB:.2f} GiB'),
+          ('temporaries / device (XLA:CPU)', f'{figures["temp_bytes_per_device"] / GIB:.2f} GiB'),
+          ('total / device', f'{total_bytes(figures) / GIB:.2f} GiB'
+           + (f' of {memory_gb:g} GB' if memory_gb else '')),
+          ('FLOPs / step (XLA cost_analysis)', f'{figures["flops_per_step"]:.3e}'),
+          ('FLOPs / step (analytic)', f'{figures["analytic_flops_per_step"]:.3e}')]
+  if peak_tflops:
+    rows += [(f'step time at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s', f'{figures["step_seconds"]:.3f} s'),
+             (f'hours to {figures["num_train_steps"]:,} steps', f'{figures["hours_to_num_train_steps"]:.1f}')]
+  width = max(len(name) for name, _ in rows)
+  return '\n'.join(f'{name:<{width}}  {value}' for name, value in rows)
+
+
+def plan(config, devices: int, mesh_shape, peak_tflops: float = 0.0, mfu: float = 0.4,
+         device_memory_gb: float | None = None, target: str = 'gpu') -> dict:
+  """The plan as a dict (the figures of `compile_step`, timings and, when it does not fit, the fix)."""
+  config = for_target(config, target)
+  if len(jax.devices()) != devices:
+    raise ConfigError(f'--devices={devices} but JAX has {len(jax.devices())} devices; run plan as a module '
+                      f'(python -m flax_transformer.plan) so it can create them')
+  mesh_shape = resolve_mesh(ast.literal_eval(mesh_shape) if isinstance(mesh_shape, str) else mesh_shape, devices)
+  figures = compile_step(config, mesh_shape)
+
+  def timing(f):
+    seconds = f['analytic_flops_per_step'] / (devices * peak_tflops * 1e12 * mfu) if peak_tflops else None
+    f.update(step_seconds=seconds, num_train_steps=config.num_train_steps,
+             hours_to_num_train_steps=seconds * config.num_train_steps / 3600 if seconds else None)
+    return f
+
+  figures = timing(figures)
+  figures['fits'] = None if device_memory_gb is None else total_bytes(figures) <= device_memory_gb * 1e9
+  figures['fix'] = None
+  if figures['fits'] is False:
+    for description, mesh, k in candidate_fixes(config, mesh_shape, devices):
+      trial = config.copy_and_resolve_references()
+      with trial.unlocked():
+        trial.gradient_accumulation_steps = k
+      try:
+        candidate = timing(compile_step(trial, mesh))
+      except ConfigError:
+        continue
+      if total_bytes(candidate) <= device_memory_gb * 1e9:
+        figures['fix'] = {'flags': description, 'total_bytes_per_device': total_bytes(candidate)}
+        break
+  return figures
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  f = flags.FLAGS
+  config = f.config
+  try:
+    figures = plan(config, f.devices, f.mesh or str(tuple(config.mesh_shape)), f.peak_tflops, f.mfu,
+                   f.device_memory_gb, f.target)
+  except (ConfigError, ValueError, SyntaxError) as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(1)
+  print(f'capacity plan for {f.target}, computed by compiling the train step on {f.devices} fake CPU devices '
+        f'(not measured)')
+  print(table(figures, f.peak_tflops, f.mfu, f.device_memory_gb))
+  if figures['fits'] is False:
+    fix = figures['fix']
+    print(f'does not fit {f.device_memory_gb:g} GB per device; ' +
+          (f'fits with {fix["flags"]} ({fix["total_bytes_per_device"] / GIB:.2f} GiB per device)' if fix
+           else 'no mesh or accumulation tried fits: use more devices'))
+  print(json.dumps(figures))
+
+
+def _define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file('config', None, 'Run configuration file (configs/*.py).')
+  flags.DEFINE_integer('devices', 8, 'Devices to plan for (fake CPU devices are created).')
+  flags.DEFINE_string('mesh', '', "(data, fsdp, model), e.g. '(1,8,1)'; default: the config's mesh_shape.")
+  flags.DEFINE_float('peak_tflops', 0.0, 'Peak TFLOP/s of one device in the compute dtype (0: no timing).')
+  flags.DEFINE_float('mfu', 0.4, 'Model FLOPs utilisation assumed for the step time.')
+  flags.DEFINE_float('device_memory_gb', None, 'Memory of one device; the plan says whether the step fits.')
+  flags.DEFINE_enum('target', 'gpu', platforms.PLATFORMS, "The platform whose 'auto' choices are planned.")
+  flags.mark_flags_as_required(['config'])
+
+
+if __name__ == '__main__':
+  from absl import app
+  _define_flags()
+  app.run(main)

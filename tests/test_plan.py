@@ -1,0 +1,81 @@
+"""The capacity plan compiles the real train step for N fake devices and reports consistent figures."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import tiny
+from flax_transformer import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = ('param_bytes_per_device', 'optimizer_bytes_per_device', 'temp_bytes_per_device', 'flops_per_step',
+        'analytic_flops_per_step', 'step_seconds', 'hours_to_num_train_steps')
+
+
+def run_plan(*flags):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
+  env.pop('XLA_FLAGS', None)  # the plan creates its own fake devices
+  return subprocess.run([sys.executable, '-m', 'flax_transformer.plan', '--config=configs/tiny.py', *flags],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_plan_of_the_tiny_config():
+  result = run_plan('--devices=4', "--mesh=(2,2,1)", '--peak_tflops=1', '--mfu=0.5', '--device_memory_gb=16')
+  assert result.returncode == 0, result.stderr[-2000:]
+  print(result.stdout)
+  figures = json.loads(result.stdout.strip().splitlines()[-1])
+  assert all(figures[key] is not None for key in KEYS)
+  assert figures['mesh'] == {'data': 2, 'fsdp': 2, 'model': 1} and figures['fits'] is True
+  full_bytes = figures['param_count'] * 4
+  # FSDP over 2 devices halves the kernels; biases and norms of odd axes may stay whole.
+  assert full_bytes / 2 <= figures['param_bytes_per_device'] < full_bytes
+  # Adam: two moments per parameter (and a step count).
+  assert abs(figures['optimizer_bytes_per_device'] - 2 * figures['param_bytes_per_device']) < 64
+  assert figures['temp_bytes_per_device'] > 0
+  # XLA counts every op of the step, the analytic count only the products: never far below. At d_model 16
+  # the elementwise ops are a large share (here ~2.6x); for base and big the two agree within 3%.
+  assert 0.9 <= figures['flops_per_step'] / figures['analytic_flops_per_step'] <= 4
+  expected_seconds = figures['analytic_flops_per_step'] / (4 * 1e12 * 0.5)
+  assert figures['step_seconds'] == pytest.approx(expected_seconds)
+  assert figures['hours_to_num_train_steps'] == pytest.approx(expected_seconds * 20 / 3600)
+  assert figures['rows'] == 256 // 32 and figures['source_length'] == figures['target_length'] == 32
+
+
+def test_a_mesh_that_does_not_match_the_devices_is_a_one_line_error():
+  result = run_plan('--devices=4', "--mesh=(2,4,1)")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith('error: config.mesh_shape=(2, 4, 1) needs 8 devices')
+
+
+def test_analytic_flops_match_a_hand_count():
+  """One encoder and one decoder layer, d=2, f=4, v=3, 1 sentence of 5 source and 7 target tokens."""
+  from flax_transformer.model import TransformerConfig
+  config = TransformerConfig(vocab_size=4, d_model=2, num_heads=1, d_ff=4, num_encoder_layers=1,
+                             num_decoder_layers=1)
+  encoder_weights = 4 * 2 * 2 + 2 * 2 * 4  # Q, K, V, O; two FFN matrices
+  decoder_weights = 8 * 2 * 2 + 2 * 2 * 4 + 4 * 2  # + cross-attention's 4 matrices, + the projection
+  dense = 6 * (encoder_weights * 5 + decoder_weights * 7)
+  attention = 3 * 2 * 2 * 2 * (5 * 5 + 7 * 7 + 7 * 5)  # forward + backward of QKᵀ and AV
+  assert plan.analytic_flops(config, 1, 5, 7) == dense + attention
+
+
+def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
+  """Parameters that dominate memory (a large vocabulary, short sentences): data parallelism replicates
+  them on every device, FSDP splits them 8 ways; a memory limit between the two picks FSDP."""
+  config = tiny.get_config()
+  config.model.vocab_size = 16384
+  config.max_length = 8
+  config.tokens_per_batch = 64
+  config = plan.for_target(config, 'cpu')
+  replicated = plan.total_bytes(plan.compile_step(config, (8, 1, 1)))
+  sharded = plan.total_bytes(plan.compile_step(config, (1, 8, 1)))
+  assert sharded < replicated
+  limit_gb = (sharded + replicated) / 2 / 1e9
+  figures = plan.plan(config, 8, '(8,1,1)', device_memory_gb=limit_gb)
+  assert figures['fits'] is False
+  assert figures['fix']['flags'] == '--mesh=(1, 8, 1)'
+  assert figures['fix']['total_bytes_per_device'] <= limit_gb * 1e9
