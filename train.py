@@ -24,6 +24,10 @@ def main(argv):
   from flax_transformer.errors import UserError
   try:
     train_loop.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except train_loop.CheckpointSaveFailed as error:
+    print(f'error: {error}', file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)  # not sys.exit: the checkpointer's background threads may never finish after a failed write
   except UserError as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(1)

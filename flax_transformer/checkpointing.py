@@ -22,6 +22,8 @@ from flax_transformer.errors import UserError, WorkdirError
 
 CHECKPOINT_DIR = 'checkpoints'
 CONFIG_FILENAME = 'config.json'
+# config.model fields a resumed run may change: regularisation and how the same network is computed.
+COMPUTE_CHOICES = ('dropout_rate', 'attention_dropout_rate', 'dropout_masks', 'attention', 'dtype', 'scan_unroll')
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -96,6 +98,37 @@ def restore_state(manager: ocp.CheckpointManager, step: int, state, state_shardi
                        params=restored['params'], opt_state=restored['opt_state'])
 
 
+class CheckpointDamaged(UserError):
+  """The latest checkpoint cannot be restored and cannot be set aside automatically."""
+
+
+def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_data_state: bool = True):
+  """(state, data state or None, step) of the newest checkpoint that restores; (state, None, None) if none.
+
+  A checkpoint that fails to restore (a truncated array file, a missing item, a damaged data state) is
+  reported in one line and moved aside to `checkpoints/<step>.corrupt`, never deleted; the next older one
+  is tried. With several processes the damaged one is named instead (they could disagree on it).
+  """
+  while (step := manager.latest_step()) is not None:
+    try:
+      restored = restore_state(manager, step, state, state_shardings)
+      data_state = restore_data_state(manager, step) if with_data_state else None
+      return restored, data_state, step
+    except UserError:
+      raise
+    except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
+      path = os.path.join(str(manager.directory), str(step))
+      reason = f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:160]}'
+      if jax.process_count() > 1:
+        raise CheckpointDamaged(f'checkpoint {path} cannot be restored ({reason}); move it aside (mv {path} '
+                                f'{path}.corrupt) and rerun to resume from the one before') from None
+      os.rename(path, path + '.corrupt')
+      print(f'checkpoint {step} cannot be restored ({reason}); moved to {path}.corrupt, trying the one before',
+            flush=True)
+      manager.reload()
+  return state, None, None
+
+
 def available_steps(directory: str) -> list[int]:
   """Steps of the finished checkpoints under `directory` (a workdir or its checkpoints/ folder)."""
   if os.path.basename(os.path.normpath(directory)) != CHECKPOINT_DIR:
@@ -154,10 +187,10 @@ def check_workdir(workdir: str, config) -> None:
   path = os.path.join(workdir, CONFIG_FILENAME)
   if not tf.io.gfile.exists(path):
     return
-  saved = json.loads(tf.io.gfile.GFile(path).read())
+  saved = _read_json(path)
   current = json.loads(config.to_json())
   for key in sorted(set(saved.get('model', {})) | set(current['model'])):
-    if saved.get('model', {}).get(key) != current['model'].get(key) and key not in ('dropout_rate', 'attention_dropout_rate'):
+    if saved.get('model', {}).get(key) != current['model'].get(key) and key not in COMPUTE_CHOICES:
       raise WorkdirError(f'workdir {workdir} holds a run with model.{key}={saved["model"].get(key)!r} but this config '
                          f'has {current["model"].get(key)!r}; use a new --workdir (the existing run is left untouched)')
   for key in ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'):
@@ -179,4 +212,12 @@ def read_config(workdir: str):
   path = os.path.join(workdir, CONFIG_FILENAME)
   if not tf.io.gfile.exists(path):
     raise WorkdirError(f'{workdir} has no {CONFIG_FILENAME}; point --workdir at a directory written by train.py')
-  return ml_collections.ConfigDict(json.loads(tf.io.gfile.GFile(path).read()))
+  return ml_collections.ConfigDict(_read_json(path))
+
+
+def _read_json(path: str) -> dict:
+  try:
+    return json.loads(tf.io.gfile.GFile(path).read())
+  except json.JSONDecodeError as error:
+    raise WorkdirError(f'{path} is damaged ({error.msg} at line {error.lineno}); restore it from a copy, or '
+                       f'rewrite it with the run\'s config (train.py writes it at start-up)') from None

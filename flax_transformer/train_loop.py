@@ -152,11 +152,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   state, state_shardings = partitioning.create_train_state(config, model_config, mesh, init_rng)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
 
-  start_step, data_state = manager.latest_step(), None
+  state, data_state, start_step = checkpointing.restore_latest(manager, state, state_shardings,
+                                                               config.restore_data_state)
   if start_step is not None:
-    state = checkpointing.restore_state(manager, start_step, state, state_shardings)
-    if config.restore_data_state:
-      data_state = checkpointing.restore_data_state(manager, start_step)
     if data_state is None:
       print(f'the data stream restarts at step {start_step} with a seed derived from it', flush=True)
     print(f'resumed from step {start_step} in {workdir}', flush=True)
@@ -200,14 +198,32 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
     metrics_file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
     metrics_file.flush()
 
+  saving = {'step': None, 'failed': False}  # the asynchronous save in flight, and whether one failed
+
+  def save_failed(step, error):
+    saving['failed'] = True  # Orbax's threads may wait forever now: the run exits without closing them
+    return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {workdir} failed '
+                                f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
+                                f'and earlier checkpoints are intact')
+
+  def check_saves():
+    """Reports a failed asynchronous save at the first step after it failed, naming its step."""
+    if saving['step'] is not None:
+      try:
+        manager.check_for_errors()
+      except Exception as error:  # disk full, permission denied...
+        raise save_failed(saving['step'], error) from None
+
   def save(step):
     try:
-      manager.wait_until_finished()  # surfaces a failure of the previous asynchronous save
+      manager.wait_until_finished()
+    except Exception as error:
+      raise save_failed(saving['step'], error) from None
+    try:
       checkpointing.save_state(manager, state, train_iter.state())
-    except Exception as error:  # disk full, permission denied...
-      raise CheckpointSaveFailed(f'saving the checkpoint at step {step} in {workdir} failed '
-                                 f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
-                                 f'and earlier checkpoints are intact') from None
+    except Exception as error:
+      raise save_failed(step, error) from None
+    saving['step'] = step
 
   eval_sources, eval_references, eval_dataset = None, None, None
 
@@ -260,6 +276,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
       state, metrics = train_step(state, batch, dropout_rng)
       pending.append(metrics)
       step += 1
+      check_saves()
       last = step == config.num_train_steps
       stop_now = stop.check(step)  # every step: the processes' agreed stop step must not be skipped
       checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop_now
@@ -300,10 +317,14 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
           save(step)
         print(f'{stop.received} received: checkpoint saved at step {step}; exiting', flush=True)
         break
-    manager.wait_until_finished()
+    try:
+      manager.wait_until_finished()
+    except Exception as error:
+      raise save_failed(saving['step'], error) from None
   finally:
     stop.restore()
-    manager.close()
+    if not saving['failed']:
+      manager.close()
     if metrics_file:
       metrics_file.close()
   return {'step': step, 'train': last_metrics, 'eval': eval_results}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -252,3 +253,88 @@ def test_other_processes_wait_for_a_slow_vocabulary(corpus, tmp_path):
   outputs = [p.communicate(timeout=300)[0] for p in processes]
   assert [p.returncode for p in processes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
   assert checkpointing.available_steps(workdir) == [2]
+
+
+def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
+  """A write that fails inside Orbax's save (here: the data-state item, as a full disk would) is reported
+  at that save in one line, the process exits 1 at once, and no step without its data state appears."""
+  workdir = str(tmp_path / 'full')
+  command = [sys.executable, os.path.join(ROOT, 'tests', 'save_failure_worker.py')] + _train_command(
+      workdir, corpus, 9)[2:]
+  start = time.time()
+  result = subprocess.run(command, env=dict(_env(), FAIL_FROM_STEP='6'), capture_output=True, text=True,
+                          timeout=240)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      f'error: saving the checkpoint at step 6 in {workdir} failed (OSError: [Errno 28] No space left on device)')
+  assert checkpointing.available_steps(workdir) == [3]
+  print(f'exited {time.time() - start:.0f} s after start')
+
+
+def _step_losses(workdir):
+  """{step: loss} from every 'train_steps' line of the run's metrics (log_every_steps=1: one loss a line)."""
+  losses = {}
+  with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:
+    for record in map(json.loads, f):
+      if record['split'] == 'train_steps':
+        first = record['step'] - len(record['losses']) + 1
+        losses.update({first + i: loss for i, loss in enumerate(record['losses'])})
+  return losses
+
+
+@pytest.fixture(scope='module')
+def nine_step_run(corpus, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('nine') / 'run')
+  subprocess.run(_train_command(workdir, corpus, 9), env=_env(), check=True, capture_output=True, timeout=600)
+  assert checkpointing.available_steps(workdir) == [3, 6, 9]
+  return workdir
+
+
+def _truncate_largest_array_file(checkpoint):
+  files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(checkpoint, 'params')) for f in names
+           if f'{os.sep}d{os.sep}' in os.path.join(d, f) or os.path.basename(d) == 'd']
+  largest = max(files, key=os.path.getsize)
+  with open(largest, 'r+b') as f:
+    f.truncate(os.path.getsize(largest) // 2)
+
+
+def _remove_params(checkpoint):
+  shutil.rmtree(os.path.join(checkpoint, 'params'))
+
+
+def _truncate_data_state(checkpoint):
+  path = os.path.join(checkpoint, 'data', 'process_0.json')
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize('damage', [_truncate_largest_array_file, _remove_params, _truncate_data_state])
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
+    nine_step_run, corpus, tmp_path, damage):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(nine_step_run, workdir)
+  damage(os.path.join(workdir, 'checkpoints', '9'))
+  result = subprocess.run(_train_command(workdir, corpus, 9), env=_env(), capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  notice = [line for line in result.stdout.splitlines() if line.startswith('checkpoint 9 cannot be restored')]
+  assert len(notice) == 1 and notice[0].endswith('.corrupt, trying the one before'), result.stdout
+  assert 'resumed from step 6' in result.stdout
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', '9.corrupt'))  # kept for inspection
+  assert checkpointing.available_steps(workdir) == [3, 6, 9]  # 9 written anew
+  reference, resumed = _step_losses(nine_step_run), _step_losses(workdir)
+  assert [resumed[s] for s in (7, 8, 9)] == [reference[s] for s in (7, 8, 9)]  # bitwise, as if killed after 6
+
+
+def test_a_damaged_config_file_is_a_one_line_error(nine_step_run, corpus, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(nine_step_run, workdir)
+  path = os.path.join(workdir, 'config.json')
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) // 2)
+  result = subprocess.run(_train_command(workdir, corpus, 9), env=_env(), capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 1
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+  assert len(errors) == 1 and errors[0].startswith(f'error: {path} is damaged'), result.stderr[-1000:]
+  assert checkpointing.available_steps(workdir) == [3, 6, 9]
