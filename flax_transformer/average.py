@@ -1,14 +1,18 @@
-"""§6.1 checkpoint averaging: python -m flax_transformer.average --workdir=DIR --last=K --output=OUT
+"""§6.1 checkpoint averaging: python -m flax_transformer.average --workdir=DIR --output=OUT [--last=K]
 
-Averages the parameters of the last K checkpoints of a run into a new Orbax checkpoint (parameters only).
+Averages the parameters of the last K checkpoints of a run (default: the run's config.average_last) into
+OUT, laid out as a workdir that translate.py reads directly (python translate.py --workdir=OUT): its
+config.json (with average_last=1), its vocabulary, and checkpoints/<last step>/params.
 """
 
+import os
+import shutil
 import sys
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 
-from flax_transformer import checkpointing, partitioning
+from flax_transformer import checkpointing, partitioning, tokenizer
 from flax_transformer.errors import UserError, WorkdirError
 from flax_transformer.model import TransformerConfig
 
@@ -32,22 +36,44 @@ def averaged_params(workdir: str, count: int, model_config: TransformerConfig):
   return (trees[0] if len(trees) == 1 else checkpointing.average_params(trees)), chosen
 
 
+def write_averaged_workdir(workdir: str, output: str, count: int | None = None, overwrite: bool = False) -> list[int]:
+  """Averages the last `count` checkpoints of `workdir` into the workdir `output`; returns the steps averaged."""
+  config = checkpointing.read_config(workdir)
+  count = config.average_last if count is None else count
+  output = os.path.abspath(output)
+  if os.path.isdir(output) and os.listdir(output):
+    if not overwrite:
+      raise WorkdirError(f'{output} is not empty; choose a new --output or pass --overwrite to replace it')
+    shutil.rmtree(output)
+  params, chosen = averaged_params(workdir, count, TransformerConfig.from_config(config))
+  os.makedirs(output, exist_ok=True)
+  if not config.vocab_path:  # the vocabulary trained into the workdir travels with the model
+    shutil.copy(os.path.join(workdir, tokenizer.VOCAB_FILENAME), os.path.join(output, tokenizer.VOCAB_FILENAME))
+  with config.unlocked():
+    config.average_last = 1  # the output holds one checkpoint: the average
+  checkpointing.save_params(checkpointing.checkpoint_dir(output), chosen[-1], params)
+  checkpointing.write_config(output, config)
+  return chosen
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
+  if not f['verbosity'].present:  # Orbax logs every read and write at INFO
+    logging.set_verbosity(logging.WARNING)
   try:
-    config = checkpointing.read_config(f.workdir)
-    params, chosen = averaged_params(f.workdir, f.last, TransformerConfig.from_config(config))
-    checkpointing.save_params(f.output, chosen[-1], params)
+    chosen = write_averaged_workdir(f.workdir, f.output, f.last, f.overwrite)
   except UserError as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(1)
-  print(f'averaged steps {chosen} into {f.output}/{chosen[-1]}')
+  print(f'averaged steps {chosen} into {os.path.abspath(f.output)}; translate with: '
+        f'python translate.py --workdir={f.output}')
 
 
 if __name__ == '__main__':
   flags.DEFINE_string('workdir', None, 'Training workdir.')
-  flags.DEFINE_integer('last', 5, 'How many of the latest checkpoints to average.')
-  flags.DEFINE_string('output', None, 'Directory for the averaged checkpoint.')
+  flags.DEFINE_integer('last', None, 'How many of the latest checkpoints to average (default: config.average_last).')
+  flags.DEFINE_string('output', None, 'Directory for the averaged model (a workdir translate.py reads).')
+  flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --output.')
   flags.mark_flags_as_required(['workdir', 'output'])
   app.run(main)
