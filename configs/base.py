@@ -62,6 +62,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0  # 0 disables clipping (the paper does not clip).
   config.num_train_steps = 100_000  # §5.2: 100k steps for base.
   config.gradient_accumulation_steps = 1  # Reach 25k-token batches on fewer devices.
+  config.max_skipped_steps = 5  # Consecutive steps with non-finite gradients skipped (optax.apply_if_finite) before the run stops.
+  config.loss_spike_factor = 3.0  # Stop when the loss stays above this many times its running median ... (0: never).
+  config.loss_spike_steps = 20  # ... for this many consecutive steps.
   config.seed = 0
   config.restore_data_state = True  # False: a resumed run restarts the data stream (e.g. after changing the process count).
   config.dropout_rng_impl = 'rbg'  # Key generator for dropout seeds (and for every mask when model.dropout_masks='random').

@@ -39,7 +39,9 @@ def create_optimizer(config, d_model: int) -> tuple[optax.GradientTransformation
     # update, number num_train_steps - 1, gets 1/cooldown_steps of the paper's rate).
     ramp = optax.linear_schedule(1.0, 0.0, config.cooldown_steps, config.num_train_steps - config.cooldown_steps)
     schedule = lambda count: paper(count) * ramp(count)
-  adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  tx = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   if config.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam), schedule
-  return adam, schedule
+    tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
+  if config.get('max_skipped_steps', 0) > 0:  # a non-finite gradient skips its update (the loop counts them)
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=config.max_skipped_steps)
+  return tx, schedule

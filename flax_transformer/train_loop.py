@@ -6,6 +6,7 @@ data-iterator state) every `checkpoint_every_steps`, on the last step and on SIG
 loss stops the run before the next checkpoint is written, so the last good one stays untouched.
 """
 
+import collections
 import functools
 import json
 import os
@@ -97,6 +98,57 @@ class _StopSignal:
   def restore(self):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+
+class LossGuard:
+  """Stops a run whose loss is lost: non-finite for more than `max_skipped` consecutive steps (each such
+  step's update is skipped by optax.apply_if_finite), or above `factor` × its running median (of the last
+  `window` finite losses) for `patience` consecutive steps. Names the last checkpoint from before the trouble."""
+
+  def __init__(self, max_skipped: int, factor: float, patience: int, window: int = 200, verbose: bool = True):
+    self.max_skipped, self.factor, self.patience, self.verbose = max_skipped, factor, patience, verbose
+    self.history = collections.deque(maxlen=window)
+    self.nonfinite, self.high = [], []  # steps of the current runs of non-finite and of too-high losses
+    self.checkpoints = []
+
+  def saved(self, step: int) -> None:
+    self.checkpoints.append(step)
+
+  def last_good(self, trouble_start: int) -> str:
+    good = [s for s in self.checkpoints if s < trouble_start]
+    return f'checkpoint {good[-1]} is from before it' if good else 'no checkpoint was written before it'
+
+  def update(self, step: int, loss: float) -> None:
+    if not np.isfinite(loss):
+      self.nonfinite.append(step)
+      self.first_nonfinite = loss if len(self.nonfinite) == 1 else self.first_nonfinite
+      if self.verbose:
+        print(f'step {step}: loss {loss}, the update was skipped', flush=True)
+      if len(self.nonfinite) > self.max_skipped:
+        raise TrainingDiverged(
+            f'the training loss became {self.first_nonfinite} at step {self.nonfinite[0]} and stayed non-finite for '
+            f'{len(self.nonfinite)} steps; the run stopped and {self.last_good(self.nonfinite[0])}; lower '
+            f'config.learning_rate_factor or enable config.grad_clip_norm')
+      return
+    self.nonfinite = []
+    median = float(np.median(self.history)) if self.history else None
+    if self.factor and median is not None and loss > self.factor * median:
+      self.high.append(step)
+      if len(self.high) >= self.patience:
+        raise TrainingDiverged(
+            f'the training loss rose to {loss:.4g} at step {step}, above {self.factor:g} x its running median '
+            f'{median:.4g} for {len(self.high)} steps (since step {self.high[0]}); the run stopped and '
+            f'{self.last_good(self.high[0])}; lower config.learning_rate_factor or enable config.grad_clip_norm')
+      return  # a spike does not move the median it is judged against
+    self.high = []
+    self.history.append(loss)
+
+
+def _finite_mean(values) -> float:
+  """Mean of the finite values (steps whose update was skipped do not count); NaN if none."""
+  values = np.asarray(values, np.float64)
+  finite = values[np.isfinite(values)]
+  return float(finite.mean()) if finite.size else float('nan')
 
 
 def _format_eta(seconds: float) -> str:
@@ -267,6 +319,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
     return results
 
   stop = _StopSignal(multi_process=jax.process_count() > 1)
+  guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps, verbose=is_chief)
+  guard.checkpoints = checkpointing.available_steps(workdir)
   pending, last_metrics, eval_results = [], {}, {}
   tick, tick_step, run_start = time.perf_counter(), start_step, time.perf_counter()
   step = start_step
@@ -283,17 +337,14 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
       if step % config.log_every_steps == 0 or checkpoint_due:
         fetched = jax.device_get(pending)
         losses = np.array([m['loss'] for m in fetched])
-        if not np.all(np.isfinite(losses)):
-          bad = step - len(fetched) + int(np.argmin(np.isfinite(losses)))
-          raise TrainingDiverged(f'the training loss became {losses[~np.isfinite(losses)][0]} at step {bad + 1}; '
-                                 f'the run stopped and the last checkpoint ({manager.latest_step()}) is untouched; '
-                                 f'lower config.learning_rate_factor or enable config.grad_clip_norm')
+        for i, loss in enumerate(losses):  # before this step's checkpoint: a lost run never overwrites one
+          guard.update(step - len(fetched) + i + 1, float(loss))
         now = time.perf_counter()
         tokens = float(sum(m['tokens'] for m in fetched))
         elapsed = now - tick
-        last_metrics = {'loss': float(np.mean(losses)), 'nll': float(np.mean([m['nll'] for m in fetched])),
-                        'accuracy': float(np.mean([m['accuracy'] for m in fetched])),
-                        'grad_norm': float(np.mean([m['grad_norm'] for m in fetched])),
+        last_metrics = {'loss': _finite_mean(losses), 'nll': _finite_mean([m['nll'] for m in fetched]),
+                        'accuracy': _finite_mean([m['accuracy'] for m in fetched]),
+                        'grad_norm': _finite_mean([m['grad_norm'] for m in fetched]),
                         'learning_rate': float(schedule(step - 1)), 'tokens_per_second': tokens / elapsed,
                         'steps_per_second': (step - tick_step) / elapsed,
                         'dropped_too_long': train_iter.plan.dropped}
@@ -307,8 +358,11 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
                 f'lr {last_metrics["learning_rate"]:.2e} {last_metrics["tokens_per_second"]:,.0f} tok/s '
                 f'elapsed {_format_eta(now - run_start)} ETA {_format_eta(eta)}', flush=True)
         pending, tick, tick_step = [], now, step
-      if checkpoint_due:
+      if checkpoint_due and guard.nonfinite:  # skipped updates leave the state as it was; a broken one stays broken
+        print(f'no checkpoint at step {step}: its loss is not finite', flush=True)
+      elif checkpoint_due:
         save(step)
+        guard.saved(step)
       if step % config.eval_every_steps == 0 or last:
         eval_results = evaluate(step)
         tick = time.perf_counter()
@@ -317,6 +371,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
           save(step)
         print(f'{stop.received} received: checkpoint saved at step {step}; exiting', flush=True)
         break
+    if guard.nonfinite:
+      raise TrainingDiverged(f'the training loss was not finite from step {guard.nonfinite[0]} to the last step; '
+                             f'{guard.last_good(guard.nonfinite[0])}')
     try:
       manager.wait_until_finished()
     except Exception as error:

@@ -204,9 +204,36 @@ def test_bad_input_is_a_one_line_error(corpus, tmp_path):
 def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path):
   config = small_run(tiny_config, tmp_path)
   config.learning_rate_factor = 1e30  # the first update overflows the parameters
-  with pytest.raises(train_loop.TrainingDiverged, match='the training loss became (nan|inf|-inf) at step 2'):
+  config.num_train_steps = 10
+  config.max_skipped_steps = 3  # each non-finite step's update is skipped; the fourth in a row stops the run
+  with pytest.raises(train_loop.TrainingDiverged,
+                     match='the training loss became (nan|inf|-inf) at step 2 and stayed non-finite for 4 steps; '
+                           'the run stopped and no checkpoint was written before it'):
     train_loop.train_and_evaluate(config, str(tmp_path / 'nan'), one_device())
-  assert checkpointing.available_steps(str(tmp_path / 'nan')) == []
+  assert checkpointing.available_steps(str(tmp_path / 'nan')) == []  # step 3's checkpoint was not written
+
+
+def test_loss_guard_skips_isolated_non_finite_steps_and_stops_a_spike():
+  guard = train_loop.LossGuard(max_skipped=2, factor=3.0, patience=4, verbose=False)
+  guard.saved(10)
+  for step in range(1, 31):
+    guard.update(step, 5.0 - step * 0.1)
+  guard.update(31, float('nan'))  # skipped, not fatal
+  guard.update(32, float('nan'))
+  guard.update(33, 1.9)
+  guard.saved(40)
+  for step in range(34, 50):  # a lone spike is forgiven
+    guard.update(step, 20.0 if step == 40 else 1.9)
+  for step in range(50, 53):
+    guard.update(step, 9.0)  # 3 of the 4 steps the guard waits for
+  with pytest.raises(train_loop.TrainingDiverged, match=r'rose to 9 at step 53, above 3 x its running median '
+                                                        r'\S+ for 4 steps \(since step 50\); the run stopped and '
+                                                        r'checkpoint 40 is from before it'):
+    guard.update(53, 9.0)
+  nan_guard = train_loop.LossGuard(max_skipped=1, factor=0.0, patience=4, verbose=False)
+  nan_guard.update(1, float('inf'))
+  with pytest.raises(train_loop.TrainingDiverged, match='became inf at step 1 and stayed non-finite for 2 steps'):
+    nan_guard.update(2, float('nan'))
 
 
 def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tmp_path, monkeypatch):
@@ -338,3 +365,15 @@ def test_a_damaged_config_file_is_a_one_line_error(nine_step_run, corpus, tmp_pa
   errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
   assert len(errors) == 1 and errors[0].startswith(f'error: {path} is damaged'), result.stderr[-1000:]
   assert checkpointing.available_steps(workdir) == [3, 6, 9]
+
+
+def test_a_learning_rate_far_too_large_stops_the_run(tiny_config, tmp_path):
+  """10^4 x the paper's rate: the loss climbs into the thousands but stays finite; the run stops instead
+  of training on, and names the last checkpoint from before the rise."""
+  config = small_run(tiny_config, tmp_path)
+  config.learning_rate_factor = 1e4
+  config.num_train_steps = 30
+  config.loss_spike_steps = 5
+  with pytest.raises(train_loop.TrainingDiverged, match=r'the training loss rose to \S+ at step \d+, above 3 x its '
+                                                        r'running median'):
+    train_loop.train_and_evaluate(config, str(tmp_path / 'spike'), one_device())
