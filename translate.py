@@ -28,6 +28,8 @@ flags.DEFINE_enum('bleu_tokenize', None, ['13a', 'none', 'intl', 'zh', 'char'],
                   'sacreBLEU tokenizer (default: the config\'s bleu_tokenize): 13a for detokenized text, '
                   'none for pre-tokenized references.')
 flags.DEFINE_bool('lowercase', False, 'Case-insensitive BLEU.')
+flags.DEFINE_bool('split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
+                  'punctuation, instead of cutting them (a warning counts them either way).')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -36,6 +38,16 @@ def read_input(path: str) -> list[str]:
   if path == '-':
     return input_pipeline.decode_lines(sys.stdin.buffer.read(), 'standard input')
   return input_pipeline.read_lines(path)
+
+
+def read_references(path: str, count: int) -> list[str]:
+  """The reference lines, checked against the input's line count before anything is decoded."""
+  from flax_transformer import input_pipeline
+  references = input_pipeline.read_lines(path)
+  if len(references) != count:
+    raise input_pipeline.DataError(f'{path} has {len(references)} lines but the input has {count}; '
+                                   f'give the reference of this input')
+  return references
 
 
 def run(f) -> None:
@@ -62,17 +74,36 @@ def run(f) -> None:
     count = f.average_last if f.average_last is not None else config.average_last
     params, chosen = average.averaged_params(source, count, model_config)
   sentences = read_input(f.input)
+  references = read_references(f.reference, len(sentences)) if f.reference else None
+  limit = model_config.max_len - 1  # source tokens the model takes, with the end-of-sentence token
+  too_long = evaluation.long_lines(processor, sentences, limit)
+  if too_long:
+    shown = ', '.join(str(i + 1) for i in too_long[:10]) + (', ...' if len(too_long) > 10 else '')
+    what = ('split at sentence punctuation and translated in pieces' if f.split_long else
+            'cut to fit (--split_long translates them in pieces split at sentence punctuation)')
+    print(f'warning: {len(too_long)} input line(s) longer than the model\'s {limit} tokens (line {shown}) are '
+          f'{what}', file=sys.stderr)
+  pieces, owners = sentences, list(range(len(sentences)))
+  if f.split_long and too_long:
+    pieces, owners = [], []
+    for i, sentence in enumerate(sentences):
+      split = evaluation.split_at_punctuation(processor, sentence, limit) if i in set(too_long) else [sentence]
+      pieces += split
+      owners += [i] * len(split)
   print(f'translating {len(sentences)} lines with checkpoint(s) {chosen} on {jax.device_count()} '
         f'{jax.default_backend()} device(s)', file=sys.stderr)
   progress = lambda done, total: print(f'\r{done}/{total} sentences', end='', file=sys.stderr, flush=True)
-  translations = evaluation.translate_sentences(
-      params, model_config, processor, sentences,
+  translated = evaluation.translate_sentences(
+      params, model_config, processor, pieces,
       beam_size=f.beam_size if f.beam_size is not None else config.beam_size,
       alpha=f.alpha if f.alpha is not None else config.length_penalty_alpha,
       max_extra_length=config.max_extra_length,
       batch_tokens=f.batch_tokens or config.eval_tokens_per_batch, progress=progress,
       top_k=config.get('beam_top_k', 'auto'))
   print(file=sys.stderr)
+  translations = [''] * len(sentences)
+  for owner, translation in zip(owners, translated):
+    translations[owner] = f'{translations[owner]} {translation}'.strip()
   text = ''.join(t + '\n' for t in translations)
   if f.output == '-':
     sys.stdout.write(text)
@@ -80,12 +111,7 @@ def run(f) -> None:
     opener = gzip.open if f.output.endswith('.gz') else open
     with opener(f.output, 'wt', encoding='utf-8') as out:
       out.write(text)
-  if f.reference:
-    from flax_transformer import input_pipeline
-    references = input_pipeline.read_lines(f.reference)
-    if len(references) != len(translations):
-      raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input has '
-                                     f'{len(translations)}; give the reference of this input')
+  if references is not None:
     tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')
     score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)

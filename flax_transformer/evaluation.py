@@ -49,6 +49,28 @@ def _round_up(x: int, to: int) -> int:
   return int(math.ceil(x / to) * to)
 
 
+_SENTENCE_END = re.compile(r'(?<=[.!?;:])\s+')
+
+
+def long_lines(processor, sentences: list[str], limit: int) -> list[int]:
+  """Indices of the sentences longer than `limit` source tokens (what translate_sentences cuts to fit)."""
+  return [i for i, s in enumerate(sentences) if s.strip() and len(processor.encode(s)) > limit]
+
+
+def split_at_punctuation(processor, sentence: str, limit: int) -> list[str]:
+  """`sentence` as pieces cut after sentence punctuation (. ! ? ; :) and regrouped greedily, each within
+  `limit` tokens where the punctuation allows (a piece with no such break inside stays whole, and is cut)."""
+  pieces, current = [], ''
+  for part in _SENTENCE_END.split(sentence.strip()):
+    joined = f'{current} {part}' if current else part
+    if current and len(processor.encode(joined)) > limit:
+      pieces.append(current)
+      current = part
+    else:
+      current = joined
+  return pieces + [current]
+
+
 def translate_sentences(params, model_config, processor, sentences: list[str], *, beam_size: int, alpha: float,
                         max_extra_length: int, batch_tokens: int = 4096, progress=None,
                         should_stop=None, top_k: str = 'auto') -> list[str] | None:

@@ -134,3 +134,50 @@ def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
       f'error: {output} is not empty; choose a new --output or pass --overwrite to replace it')
   assert average('--overwrite', '--last=1').returncode == 0
   assert checkpointing.available_steps(output) == [steps[-1]]
+
+
+def test_long_lines_are_counted_and_can_be_split(trained, tmp_path):
+  """A line past the model's 127 source tokens is named in a warning; --split_long translates it in pieces
+  cut after sentence punctuation (each within the limit) and joins their translations on its line."""
+  workdir, config = trained
+  long_line = ' '.join(['the cat sat on the mat.'] * 30)  # ~6 tokens a sentence, far beyond 127
+  source = tmp_path / 'in.txt'
+  source.write_text(f'red house\n{long_line}\n')
+  cut = _translate(workdir, f'--input={source}')
+  assert cut.returncode == 0, cut.stderr.decode()[-2000:]
+  warning = [line for line in cut.stderr.decode().splitlines() if line.startswith('warning: ')]
+  assert warning == ["warning: 1 input line(s) longer than the model's 127 tokens (line 2) are cut to fit "
+                     "(--split_long translates them in pieces split at sentence punctuation)"]
+  split = _translate(workdir, f'--input={source}', '--split_long')
+  assert split.returncode == 0 and 'split at sentence punctuation and translated in pieces' in split.stderr.decode()
+  cut_lines, split_lines = cut.stdout.decode().splitlines(), split.stdout.decode().splitlines()
+  assert len(split_lines) == 2 and split_lines[0] == cut_lines[0]
+  decoded = lambda result: result.stderr.decode().split('\r')[-1].split()[0]  # the last progress count
+  assert decoded(cut) == '2/2'
+  pieces = int(decoded(split).split('/')[1])
+  assert pieces >= 3  # the long line went in pieces (this 6-step model's translations are mostly empty)
+
+
+def test_split_pieces_stay_within_the_limit():
+  from flax_transformer import evaluation
+
+  class Characters:  # a stand-in tokenizer: one token per character
+    encode = staticmethod(lambda text: list(text))
+
+  sentence = 'One two. Three four five! Six? Seven eight nine ten.'
+  pieces = evaluation.split_at_punctuation(Characters, sentence, 20)
+  assert ' '.join(pieces) == sentence
+  assert pieces == ['One two.', 'Three four five!', 'Six?', 'Seven eight nine ten.']
+  assert evaluation.split_at_punctuation(Characters, sentence, 100) == [sentence]
+
+
+def test_a_reference_of_another_length_is_refused_before_decoding(trained, tmp_path):
+  workdir, _ = trained
+  source, reference, output = tmp_path / 'in.txt', tmp_path / 'ref.txt', tmp_path / 'out.txt'
+  source.write_text('red house\nthe cat\n')
+  reference.write_text('HOUSE RED\n')
+  result = _translate(workdir, f'--input={source}', f'--reference={reference}', f'--output={output}')
+  assert result.returncode == 1
+  assert result.stderr.decode().strip().splitlines()[-1] == (
+      f'error: {reference} has 1 lines but the input has 2; give the reference of this input')
+  assert 'translating' not in result.stderr.decode() and not output.exists()
