@@ -88,9 +88,14 @@ def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], 
 
 
 def _split_paths(config, split: str) -> tuple[str, str]:
-  return {'train': (config.train_source, config.train_target),
-          'eval': (config.eval_source, config.eval_target),
-          'test': (config.test_source, config.test_target)}[split]
+  """The split's (source, target) files; a missing one is a one-line error naming its config field."""
+  paths = {f'{split}_{side}': config[f'{split}_{side}'] for side in ('source', 'target')}
+  for field, path in paths.items():
+    if path and not tf.io.gfile.exists(path):
+      raise DataError(f'config.{field}={path} does not exist; set the path (--config.{field}=PATH); for '
+                      f'Multi30k, python tools/get_multi30k.py --dir=DIR downloads it, then '
+                      f'--config=configs/multi30k.py:DIR')
+  return tuple(paths.values())
 
 
 def _tfds_builder(config):

@@ -198,7 +198,8 @@ def test_bad_input_is_a_one_line_error(corpus, tmp_path):
     assert len(errors) == 1 and message in errors[0]
   result = subprocess.run(_train_command(str(tmp_path / 'w'), corpus) + ['--config.train_source=/nonexistent.gz'],
                           env=_env(), capture_output=True, text=True, timeout=300)
-  assert result.returncode == 1 and 'error: data file /nonexistent.gz does not exist' in result.stderr
+  assert result.returncode == 1 and ('error: config.train_source=/nonexistent.gz does not exist; set the path '
+                                    '(--config.train_source=PATH); for Multi30k, python tools/get_multi30k.py') in result.stderr
 
 
 def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path):
