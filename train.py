@@ -18,8 +18,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  import tensorflow as tf
-  tf.config.set_visible_devices([], 'GPU')  # tf.data must not take accelerator memory
+  from flax_transformer import platforms
+  platforms.import_tensorflow_quietly()  # before anything else imports it
   from flax_transformer import train_loop
   from flax_transformer.errors import UserError
   try:

@@ -52,8 +52,8 @@ def read_references(path: str, count: int) -> list[str]:
 
 def run(f) -> None:
   import jax
-  import tensorflow as tf
-  tf.config.set_visible_devices([], 'GPU')
+  from flax_transformer import platforms
+  platforms.import_tensorflow_quietly()
   from flax_transformer import average, checkpointing, evaluation, tokenizer
   from flax_transformer.errors import WorkdirError
   from flax_transformer.model import TransformerConfig

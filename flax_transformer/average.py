@@ -9,12 +9,16 @@ import os
 import shutil
 import sys
 
-import jax
-from absl import app, flags, logging
+if __name__ == '__main__':  # before anything imports TensorFlow
+  from flax_transformer import platforms
+  platforms.import_tensorflow_quietly()
 
-from flax_transformer import checkpointing, partitioning, tokenizer
-from flax_transformer.errors import UserError, WorkdirError
-from flax_transformer.model import TransformerConfig
+import jax  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+from flax_transformer import checkpointing, partitioning, tokenizer  # noqa: E402
+from flax_transformer.errors import UserError, WorkdirError  # noqa: E402
+from flax_transformer.model import TransformerConfig  # noqa: E402
 
 
 def last_steps(workdir: str, count: int) -> list[int]:

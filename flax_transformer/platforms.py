@@ -10,7 +10,9 @@ Attention always goes through `jax.nn.dot_product_attention`; `config.model.atte
 for cuDNN's fused kernel on GPUs in bf16 (where cuDNN takes the head size) and for XLA elsewhere.
 """
 
+import contextlib
 import math
+import os
 
 import jax
 
@@ -83,3 +85,31 @@ def banner(config, model_config, mesh, num_params: int, num_batch_shapes: int, f
       f'{num_batch_shapes} batch shapes to compile',
   ]
   return '\n'.join(lines)
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+  """Sends file descriptor 2 (C++ logging included) to /dev/null inside the block."""
+  saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
+
+
+def import_tensorflow_quietly():
+  """Imports TensorFlow (tf.data only) with its C++ start-up lines silenced, and hides accelerators from it
+  so tf.data never takes GPU or TPU memory. Call before anything else imports TensorFlow."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  with _stderr_silenced():  # CUDA probing and absl's pre-initialisation notices are written from C++
+    import tensorflow as tf
+    try:
+      tf.config.set_visible_devices([], 'GPU')
+      if tf.config.list_physical_devices('TPU'):
+        tf.config.set_visible_devices([], 'TPU')
+    except RuntimeError:  # TensorFlow's devices are initialised already (an earlier call did this)
+      pass
+  return tf

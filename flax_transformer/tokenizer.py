@@ -6,6 +6,7 @@ Reserved ids, used the same way by the model, the loss and decoding:
 
 import os
 import tempfile
+import time
 from collections.abc import Iterable
 
 import sentencepiece as spm
@@ -81,7 +82,11 @@ def train_or_load(config, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProc
     return load(config.vocab_path, vocab_size), config.vocab_path
   path = os.path.join(workdir, VOCAB_FILENAME)
   if not tf.io.gfile.exists(path):
+    print(f'training a {vocab_size:,}-piece {config.vocab_type} vocabulary on up to {config.max_corpus_chars:,} '
+          f'characters of the training text (once per workdir)...', flush=True)
+    start = time.perf_counter()
     train_sentencepiece(pairs_fn(), path, vocab_size, config.vocab_type, config.max_corpus_chars)
+    print(f'vocabulary trained in {time.perf_counter() - start:.0f} s: {path}', flush=True)
   return load(path, vocab_size), path
 
 

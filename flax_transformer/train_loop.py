@@ -175,8 +175,7 @@ def data_seed(seed: int, start_step: int) -> int:
 def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
   enable_compilation_cache()
-  tf.config.set_visible_devices([], 'GPU')
-  tf.config.set_visible_devices([], 'TPU') if tf.config.list_physical_devices('TPU') else None
+  platforms.import_tensorflow_quietly()
   maybe_initialize_distributed(config)
   platforms.check(config.platform)
   check_config(config)
@@ -322,11 +321,19 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps, verbose=is_chief)
   guard.checkpoints = checkpointing.available_steps(workdir)
   pending, last_metrics, eval_results = [], {}, {}
+  compiled_shapes, eval_seconds = set(), []  # batch shapes seen; how long each evaluation took (for the ETA)
   tick, tick_step, run_start = time.perf_counter(), start_step, time.perf_counter()
   step = start_step
   try:
     while step < config.num_train_steps:
       batch = to_global(next(train_iter))
+      shape = (batch['inputs'].shape, batch['targets'].shape)
+      if shape not in compiled_shapes:  # a new batch shape: compiled (or read from the cache) now
+        compiled_shapes.add(shape)
+        if is_chief:
+          print(f'compiling the train step for batch shape {len(compiled_shapes)} of '
+                f'{len(train_iter.plan.used_shapes)}: {shape[0][0]} x ({shape[0][1]} + {shape[1][1]}) tokens',
+                flush=True)
       state, metrics = train_step(state, batch, dropout_rng)
       pending.append(metrics)
       step += 1
@@ -353,7 +360,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
           metrics_file.write(json.dumps({'step': step, 'split': 'train_steps',
                                          'losses': [float(x) for x in losses]}) + '\n')
         if is_chief:
-          eta = (config.num_train_steps - step) / max(last_metrics['steps_per_second'], 1e-9)
+          evaluations_left = config.num_train_steps // config.eval_every_steps - step // config.eval_every_steps
+          eta = ((config.num_train_steps - step) / max(last_metrics['steps_per_second'], 1e-9)
+                 + evaluations_left * (np.mean(eval_seconds) if eval_seconds else 0.0))
           print(f'step {step}/{config.num_train_steps} loss {last_metrics["loss"]:.4f} '
                 f'lr {last_metrics["learning_rate"]:.2e} {last_metrics["tokens_per_second"]:,.0f} tok/s '
                 f'elapsed {_format_eta(now - run_start)} ETA {_format_eta(eta)}', flush=True)
@@ -364,8 +373,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
         save(step)
         guard.saved(step)
       if step % config.eval_every_steps == 0 or last:
+        eval_start = time.perf_counter()
         eval_results = evaluate(step)
         tick = time.perf_counter()
+        eval_seconds.append(tick - eval_start)
       if stop.received:
         if not checkpoint_due:  # the signal arrived after this step's checks
           save(step)
