@@ -26,48 +26,55 @@
 import os
 
 TINY = os.environ.get('FLAX_TRANSFORMER_NOTEBOOK_TINY', '0') == '1'
-REPO_URL = 'https://github.com/flax-transformer/flax-transformer'  # cloned when the notebook runs outside a checkout
-MULTI30K_URL = 'https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw'
 DATA_DIR = os.environ.get('MULTI30K_DIR', '../../shared/data/multi30k')  # local copy if present
 WORKDIR = os.environ.get('NOTEBOOK_WORKDIR', '/tmp/flax_transformer_quickstart')
+# 3,000 steps: ~25 min on a Colab CPU runtime, a few minutes on a GPU or TPU runtime.
 TRAIN_STEPS = 30 if TINY else 3000
 
 # %% [markdown]
-# ## Install and detect the backend
-# In Colab, install the package from the repository (skipped when it is already importable).
+# ## Get the code (Colab)
+# **Set `REPO_URL` to the git URL of your copy of this repository** (your fork, or wherever you host it), or
+# upload the repository folder to the runtime as `flax-transformer/`. Inside a checkout nothing is fetched.
 
 # %%
+REPO_URL = ''  # e.g. 'https://github.com/<you>/flax-transformer'
+
+# %% [markdown]
+# ## Install for this runtime and detect the backend
+# The runtime's accelerator picks the extra: `[cuda12]` on a GPU runtime, `[tpu]` on a TPU runtime, the CPU
+# set otherwise.
+
+# %%
+import shutil
 import subprocess
 import sys
 
-# The repository root holds both the package and configs/: use the checkout this notebook sits in, or clone one.
 ROOT = os.path.abspath('..') if os.path.isdir('../configs') else os.path.abspath('flax-transformer')
 if not os.path.isdir(os.path.join(ROOT, 'configs')):
+  if not REPO_URL:
+    raise SystemExit('set REPO_URL in the cell above, or upload the repository as flax-transformer/')
   subprocess.run(['git', 'clone', '-q', REPO_URL, ROOT], check=True)
-  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-r', os.path.join(ROOT, 'requirements.txt'),
-                  '-e', ROOT], check=True)
+  extra = '[cuda12]' if shutil.which('nvidia-smi') else '[tpu]' if os.environ.get('COLAB_TPU_ADDR') or os.path.exists(
+      '/dev/accel0') else ''
+  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e', ROOT + extra], check=True)
 sys.path.insert(0, ROOT)
 
+from flax_transformer import platforms
+
+tf = platforms.import_tensorflow_quietly()  # tf.data only, kept off the accelerator
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
-import tensorflow as tf
 
-tf.config.set_visible_devices([], 'GPU')  # tf.data stays off the accelerator
-print(f'backend: {jax.default_backend()}, {jax.device_count()} device(s): {jax.devices()[0].device_kind}')
+print(f'backend: {platforms.current()}, {jax.device_count()} device(s): {jax.devices()[0].device_kind}')
 
 # %% [markdown]
-# ## Data: Multi30k (from disk, or fetched from its public repository)
+# ## Data: Multi30k (from disk, or downloaded and checked against pinned checksums)
 
 # %%
-import urllib.request
-
 if not os.path.exists(os.path.join(DATA_DIR, 'train.en.gz')):
   DATA_DIR = os.path.join(WORKDIR, 'multi30k')
-  os.makedirs(DATA_DIR, exist_ok=True)
-  for split in ('train', 'val', 'test_2016_flickr'):
-    for lang in ('en', 'de'):
-      urllib.request.urlretrieve(f'{MULTI30K_URL}/{split}.{lang}.gz', os.path.join(DATA_DIR, f'{split}.{lang}.gz'))
+  subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'get_multi30k.py'), f'--dir={DATA_DIR}'], check=True)
 print('Multi30k from', os.path.abspath(DATA_DIR))
 
 # %% [markdown]
@@ -117,7 +124,7 @@ ax.set_xlabel('position'); ax.set_ylabel('dimension'); fig.colorbar(image)
 plt.show()
 
 # %% [markdown]
-# ## Train (checkpoints, vocabulary and TensorBoard logs land in WORKDIR)
+# ## Train (checkpoints, vocabulary and TensorBoard logs land in WORKDIR; the banner says what it runs on)
 
 # %%
 from flax_transformer import train_loop
