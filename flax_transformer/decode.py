@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_transformer import platforms
+from flax_transformer.constants import EOS_ID, IMPOSSIBLE_SCORE, PAD_ID
 
-PAD_ID, EOS_ID = 0, 1
-NEG_INF = -1.0e7
 
 
 def length_penalty(length, alpha: float):
@@ -83,9 +82,9 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   initial = {
       'step': jnp.array(0, jnp.int32),
       'live_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),  # position 0: the start symbol
-      'live_scores': jnp.tile(jnp.array([0.0] + [NEG_INF] * (n - 1), jnp.float32), (batch, 1)),  # [b, n]
+      'live_scores': jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (n - 1), jnp.float32), (batch, 1)),  # [b, n]
       'finished_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),
-      'finished_scores': jnp.full((batch, n), NEG_INF, jnp.float32),  # length-penalised
+      'finished_scores': jnp.full((batch, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
       'cache': cache,
   }
 
@@ -104,7 +103,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     logits = logits.astype(jnp.float32)  # [bn, v]
     vocab = logits.shape[-1]
     log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [bn, 1]
-    logits = logits.at[:, PAD_ID].set(NEG_INF)  # padding is never produced
+    logits = logits.at[:, PAD_ID].set(IMPOSSIBLE_SCORE)  # padding is never produced
     # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps
     # a row's order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array).
     per_row = min(2 * n, vocab)
@@ -122,7 +121,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     ends = (top_token == eos_id) | at_limit  # [b, 2n]
 
     # Live: the n best candidates that continue.
-    live_candidate_scores = jnp.where(ends, NEG_INF, top_scores)  # [b, 2n]
+    live_candidate_scores = jnp.where(ends, IMPOSSIBLE_SCORE, top_scores)  # [b, 2n]
     live_scores, live_pick = jax.lax.top_k(live_candidate_scores, n)  # [b, n]
     live_tokens = jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1)  # [b, n, L+1]
     live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
@@ -130,7 +129,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     new_cache = reorder_cache(new_cache, parent_rows)
 
     # Finished: merge the candidates that end here (length-penalised) with those kept so far.
-    ended_scores = jnp.where(ends, top_scores / length_penalty(new_length, alpha), NEG_INF)  # [b, 2n]
+    ended_scores = jnp.where(ends, top_scores / length_penalty(new_length, alpha), IMPOSSIBLE_SCORE)  # [b, 2n]
     merged_scores = jnp.concatenate([state['finished_scores'], ended_scores], axis=1)  # [b, 3n]
     merged_tokens = jnp.concatenate([state['finished_tokens'], top_tokens], axis=1)  # [b, 3n, L+1]
     finished_scores, finished_pick = jax.lax.top_k(merged_scores, n)  # [b, n]
@@ -162,7 +161,7 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
     logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
     logits = logits.astype(jnp.float32)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # [b]
-    logits = logits.at[:, PAD_ID].set(NEG_INF)
+    logits = logits.at[:, PAD_ID].set(IMPOSSIBLE_SCORE)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]: log-softmax keeps the row's order
     log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
     token = jnp.where(state['ended'], PAD_ID, token)

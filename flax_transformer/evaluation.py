@@ -8,6 +8,7 @@ import numpy as np
 import sacrebleu
 
 from flax_transformer import decode, platforms, tokenizer
+from flax_transformer.constants import EOS_ID
 from flax_transformer.model import Transformer
 
 
@@ -82,7 +83,7 @@ def translate_sentences(params, model_config, processor, sentences: list[str], *
   """
   model = Transformer(model_config)
   limit = model_config.max_len - 1
-  encoded = [processor.encode(s)[:limit] + [1] if s.strip() else [] for s in sentences]
+  encoded = [processor.encode(s)[:limit] + [EOS_ID] if s.strip() else [] for s in sentences]
   outputs = [''] * len(sentences)
   todo = [i for i, ids in enumerate(encoded) if ids]
   batches = length_sorted_batches([encoded[i] for i in todo], batch_tokens)

@@ -38,9 +38,9 @@ import numpy as np
 import tensorflow as tf
 
 from flax_transformer import bucketing
+from flax_transformer.constants import PAD_ID
 from flax_transformer.errors import UserError
 
-PAD_ID, EOS_ID = 0, 1
 
 
 class DataError(UserError):

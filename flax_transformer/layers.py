@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flax_transformer.constants import ATTENTION_MASK_VALUE
+
 Dtype = Any
-NEG_INF = -1e9  # Added to masked attention logits; finite so all-masked rows stay NaN-free.
 
 def float32_accumulating_einsum(spec: str, x: jax.Array, y: jax.Array, dtype: Dtype) -> jax.Array:
   """einsum of x and y in `dtype` with float32 accumulation and a float32 result.
@@ -121,7 +122,7 @@ def padding_bias(key_ids: jax.Array) -> jax.Array:
   """Right-padded key_ids [b, k] -> additive bias [b, 1, 1, k] hiding the padding (as `key_lengths` does)."""
   positions = jnp.arange(key_ids.shape[-1])  # [k]
   visible = positions[None, :] < key_lengths(key_ids)[:, None]  # [b, k]
-  return jnp.where(visible, 0.0, NEG_INF)[:, None, None, :].astype(jnp.float32)
+  return jnp.where(visible, 0.0, ATTENTION_MASK_VALUE)[:, None, None, :].astype(jnp.float32)
 
 
 def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None, causal: bool) -> jax.Array:
@@ -129,10 +130,10 @@ def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None
   bias = jnp.zeros((1, 1, query_length, key_length), jnp.float32)  # [1, 1, q, k]
   if lengths is not None:
     visible = jnp.arange(key_length)[None, :] < lengths[:, None]  # [b, k]
-    bias = bias + jnp.where(visible, 0.0, NEG_INF)[:, None, None, :]  # [b, 1, 1, k]
+    bias = bias + jnp.where(visible, 0.0, ATTENTION_MASK_VALUE)[:, None, None, :]  # [b, 1, 1, k]
   if causal:
     allowed = jnp.tril(jnp.ones((query_length, key_length), dtype=bool))  # [q, k]
-    bias = bias + jnp.where(allowed, 0.0, NEG_INF)[None, None]
+    bias = bias + jnp.where(allowed, 0.0, ATTENTION_MASK_VALUE)[None, None]
   return bias
 
 
@@ -351,7 +352,7 @@ class MultiHeadAttention(nn.Module):
       cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, 1, :, :, None], step, axis=3),
                'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], qkv[:, 2, :, None, :], step, axis=2)}
       max_len = cache['value'].shape[2]
-      bias = jnp.where(jnp.arange(max_len) <= step, 0.0, NEG_INF)  # [max_len]: positions not yet written
+      bias = jnp.where(jnp.arange(max_len) <= step, 0.0, ATTENTION_MASK_VALUE)  # [max_len]: positions not yet written
       # Batched matrix-vector products in the cache's own layout: nothing is transposed per step.
       logits = jnp.einsum('bhd,bhdk->bhk', qkv[:, 0], cache['key'], preferred_element_type=jnp.float32) * scale  # [bn, h, k]
       weights = jax.nn.softmax(logits + bias, axis=-1)  # [bn, h, k]
@@ -401,7 +402,6 @@ class LayerNorm(nn.Module):
   residual stream, normalisation, softmax and loss stay float32, as automatic mixed precision does.
   """
   epsilon: float = 1e-6
-  dtype: Dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from flax_transformer.layers import float32_accumulating_einsum
-from flax_transformer.model import PAD_ID
+from flax_transformer.constants import PAD_ID
 
 
 def smoothed_target_entropy(vocab_size: int, label_smoothing: float) -> float:

@@ -13,10 +13,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from flax_transformer import layers, platforms
+from flax_transformer.constants import PAD_ID
 from flax_transformer.errors import ConfigError
-
-PAD_ID = 0  # Padding, and the decoder's start symbol.
-EOS_ID = 1  # End of sentence.
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 
@@ -91,7 +89,7 @@ class SublayerConnection(nn.Module):
   config: TransformerConfig
 
   def setup(self):
-    self.norm = layers.LayerNorm(self.config.layer_norm_epsilon, self.config.compute_dtype)
+    self.norm = layers.LayerNorm(self.config.layer_norm_epsilon)
     self.dropout = layers.Dropout(self.config.dropout_rate, self.config.dropout_masks)
 
   def __call__(self, x, sublayer, deterministic):
@@ -198,8 +196,8 @@ class Transformer(nn.Module):
                         length=c.num_decoder_layers, methods=['__call__', 'init_cache'])(
                             c, name='decoder')
     if c.pre_norm:  # Pre-LN needs a final normalisation of each stack's output.
-      self.encoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
-      self.decoder_norm = layers.LayerNorm(c.layer_norm_epsilon, dtype)
+      self.encoder_norm = layers.LayerNorm(c.layer_norm_epsilon)
+      self.decoder_norm = layers.LayerNorm(c.layer_norm_epsilon)
 
   def _embed(self, ids, embedding, positions, deterministic, offset=0):
     x = positions(embedding(ids), offset)  # [b, l, e]

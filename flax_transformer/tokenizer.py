@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import sentencepiece as spm
 import tensorflow as tf
 
+from flax_transformer.constants import EOS_ID, PAD_ID, UNK_ID
 from flax_transformer.errors import UserError
 
 VOCAB_FILENAME = 'sentencepiece.model'
@@ -46,7 +47,7 @@ def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size:
       spm.SentencePieceTrainer.train(
           sentence_iterator=_sample_sentences(pairs, max_corpus_chars), model_prefix=prefix,
           vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
-          pad_id=0, eos_id=1, unk_id=2, bos_id=-1, num_threads=os.cpu_count() or 1,
+          pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1,
           shuffle_input_sentence=True, input_sentence_size=10_000_000, minloglevel=2)
     except RuntimeError as error:
       first_line = str(error).strip().splitlines()[-1]
@@ -65,7 +66,7 @@ def load(path: str, expected_vocab_size: int | None = None) -> spm.SentencePiece
   if expected_vocab_size is not None and processor.get_piece_size() != expected_vocab_size:
     raise VocabularyError(f'vocabulary {path} has {processor.get_piece_size()} pieces but '
                           f'config.model.vocab_size={expected_vocab_size}; set them equal')
-  if processor.pad_id() != 0 or processor.eos_id() != 1:
+  if processor.pad_id() != PAD_ID or processor.eos_id() != EOS_ID:
     raise VocabularyError(f'vocabulary {path} must reserve id 0 for <pad> and 1 for </s> '
                           f'(it has pad={processor.pad_id()}, eos={processor.eos_id()})')
   return processor
@@ -93,6 +94,6 @@ def train_or_load(config, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProc
 def decode_ids(processor: spm.SentencePieceProcessor, ids) -> str:
   """Token ids (stopping at the first </s>, padding ignored) -> text."""
   ids = [int(i) for i in ids]
-  if 1 in ids:
-    ids = ids[:ids.index(1)]
-  return processor.decode([i for i in ids if i > 1])
+  if EOS_ID in ids:
+    ids = ids[:ids.index(EOS_ID)]
+  return processor.decode([i for i in ids if i not in (PAD_ID, EOS_ID)])

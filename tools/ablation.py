@@ -1,6 +1,6 @@
 """What each speed option of the train step is worth: the Multi30k step with one option changed at a time.
 
-python bench/ablation.py [--rounds 10] [--batch 128 --length 16]
+python tools/ablation.py [--rounds 10] [--batch 128 --length 16]
 
 Every variant is compiled in this one process and the variants' steps alternate round by round, so all
 see the same machine noise; each row is the median over the rounds, relative to configs/multi30k.py.

@@ -1,6 +1,6 @@
 """How batch size and vocabulary size change the Multi30k model's training throughput, side by side in one process.
 
-python bench/batch_and_vocab.py [--data_dir=../shared/data/multi30k/tok] [--steps 12]
+python tools/batch_and_vocab.py [--data_dir=../shared/data/multi30k/tok] [--steps 12]
 
 Our jitted train step (bench/train_step.py's `build_ours`, configs/multi30k.py's model) at several batch shapes
 and vocabulary sizes, the steps of all cases alternating so they see the same machine noise. A larger vocabulary
@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench'))
 
 import numpy as np  # noqa: E402
 
