@@ -7,8 +7,7 @@ import jax
 import numpy as np
 import sacrebleu
 
-from flax_transformer import decode, platforms, tokenizer
-from flax_transformer.constants import EOS_ID
+from flax_transformer import decode, input_pipeline, platforms, tokenizer
 from flax_transformer.model import Transformer
 
 
@@ -28,26 +27,6 @@ def evaluate_loss(eval_step, params, batches, to_global, should_stop=None) -> di
   nll = float(totals['nll']) / tokens
   return {'loss': float(totals['loss']) / tokens, 'nll': nll, 'perplexity': math.exp(min(nll, 50.0)),
           'accuracy': float(totals['correct']) / tokens, 'tokens': tokens}
-
-
-def length_sorted_batches(token_lists: list[list[int]], batch_tokens: int, max_batch: int = 512):
-  """Indices grouped so each batch of similar-length sentences holds about `batch_tokens` source tokens."""
-  order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
-  batches, current, longest = [], [], 0
-  for i in order:
-    length = max(len(token_lists[i]), 1)
-    if current and (max(longest, length) * (len(current) + 1) > batch_tokens or len(current) >= max_batch):
-      batches.append(current)
-      current, longest = [], 0
-    current.append(i)
-    longest = max(longest, length)
-  if current:
-    batches.append(current)
-  return batches
-
-
-def _round_up(x: int, to: int) -> int:
-  return int(math.ceil(x / to) * to)
 
 
 _SENTENCE_END = re.compile(r'(?<=[.!?;:])\s+')
@@ -82,31 +61,22 @@ def translate_sentences(params, model_config, processor, sentences: list[str], *
   top_k: config.beam_top_k ('auto', 'two_stage' or 'lax').
   """
   model = Transformer(model_config)
-  limit = model_config.max_len - 1
-  encoded = [processor.encode(s)[:limit] + [EOS_ID] if s.strip() else [] for s in sentences]
   outputs = [''] * len(sentences)
-  todo = [i for i, ids in enumerate(encoded) if ids]
-  batches = length_sorted_batches([encoded[i] for i in todo], batch_tokens)
-  done = 0
-  for batch in batches:
+  batches = input_pipeline.translation_batches(processor, sentences, model_config.max_len - 1, batch_tokens)
+  total, done = sum(len(indices) for indices, _ in batches), 0
+  for indices, inputs in batches:
     if should_stop and should_stop():
       return None
-    indices = [todo[j] for j in batch]
-    source_length = _round_up(max(len(encoded[i]) for i in indices), 8)
-    rows = _round_up(len(indices), 8)  # a few batch shapes, so a few compilations
-    inputs = np.zeros((rows, source_length), np.int32)
-    for row, i in enumerate(indices):
-      inputs[row, :len(encoded[i])] = encoded[i]
-    max_decode_len = decode.decode_length(source_length, max_extra_length, model_config.max_len)
+    max_decode_len = decode.decode_length(inputs.shape[1], max_extra_length, model_config.max_len)
     translate = decode.jitted_translate(model, beam_size, alpha, max_extra_length, max_decode_len,
-                                            platforms.top_k(top_k))
+                                        platforms.top_k(top_k))
     tokens, _ = translate(params, inputs)
     tokens = np.asarray(jax.device_get(tokens))
     for row, i in enumerate(indices):
       outputs[i] = tokenizer.decode_ids(processor, tokens[row])
     done += len(indices)
     if progress:
-      progress(done, len(todo))
+      progress(done, total)
   return outputs
 
 

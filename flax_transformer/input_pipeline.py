@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from flax_transformer import bucketing
-from flax_transformer.constants import PAD_ID
+from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import UserError
 
 
@@ -373,6 +373,40 @@ def process_train_batches(config, vocab_path: str, shard: tuple[int, int], data_
 
 
 # --- Evaluation batches ------------------------------------------------------------------------
+
+def _round_up(x: int, to: int) -> int:
+  return -(-x // to) * to
+
+
+def translation_batches(processor, sentences: list[str], limit: int, batch_tokens: int,
+                        max_batch: int = 512) -> list[tuple[list[int], np.ndarray]]:
+  """Sentences to translate as length-sorted batches, each (its sentences' indices in `sentences`,
+  right-padded ids [rows, length] int32 ending in EOS), holding about `batch_tokens` source tokens.
+
+  Sentences longer than `limit` tokens are cut to `limit` (plus EOS); empty ones are left out (they
+  translate to empty lines). Rows and lengths are rounded up to multiples of 8: a few shapes, a few
+  compilations; padding rows are all PAD_ID.
+  """
+  encoded = [processor.encode(s)[:limit] + [EOS_ID] if s.strip() else [] for s in sentences]
+  order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
+  groups, current, longest = [], [], 0
+  for i in order:
+    if current and (max(longest, len(encoded[i])) * (len(current) + 1) > batch_tokens or len(current) >= max_batch):
+      groups.append(current)
+      current, longest = [], 0
+    current.append(i)
+    longest = max(longest, len(encoded[i]))
+  if current:
+    groups.append(current)
+  batches = []
+  for indices in groups:
+    inputs = np.full((_round_up(len(indices), 8), _round_up(max(len(encoded[i]) for i in indices), 8)), PAD_ID,
+                     np.int32)  # [rows, length]
+    for row, i in enumerate(indices):
+      inputs[row, :len(encoded[i])] = encoded[i]
+    batches.append((indices, inputs))
+  return batches
+
 
 def eval_batches(config, vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
   """Every sentence pair of `split`, in order, as global batches {'inputs': [B, S], 'targets': [B, T]}.
