@@ -1,4 +1,6 @@
-"""`train_and_evaluate(config, workdir)`: the loop only orchestrates batches, the pure step and hooks.
+"""`train_and_evaluate(config, workdir)`: `set_up` (checks, mesh, vocabulary, state resumed from the newest
+good checkpoint, data, jitted steps), then `_train`, a loop that only orchestrates batches, the pure step
+and hooks (MetricsLog, Saver, Evaluator, Progress, LossGuard).
 
 Hooks: progress line and TensorBoard every `log_every_steps`, validation loss/perplexity/accuracy and
 BLEU on a validation sample every `eval_every_steps`, an Orbax checkpoint (with each process's
@@ -7,11 +9,13 @@ loss stops the run before the next checkpoint is written, so the last good one s
 """
 
 import collections
+import dataclasses
 import functools
 import json
 import os
 import signal
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -172,53 +176,86 @@ def data_seed(seed: int, start_step: int) -> int:
   return int(np.random.SeedSequence([seed, start_step]).generate_state(1)[0] % 2 ** 31)
 
 
-def train_and_evaluate(config, workdir: str, devices=None) -> dict:
-  """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+@dataclasses.dataclass
+class Run:
+  """What set-up builds, for the loop to read: one training run on one mesh."""
+  config: Any
+  workdir: str
+  is_chief: bool
+  model_config: TransformerConfig
+  mesh: Any
+  processor: Any
+  vocab_path: str
+  state: Any
+  state_shardings: Any
+  manager: Any
+  start_step: int
+  train_iter: Any
+  train_step: Any
+  eval_step: Any
+  schedule: Any
+  dropout_rng: Any
+  data_shards: int  # processes' row blocks of a batch (partitioning.data_shard)
+
+  def to_global(self, batch):
+    """This process's rows of a training batch -> the global batch."""
+    sharding = partitioning.batch_sharding(self.mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * self.data_shards, *v.shape[1:]))
+            for k, v in batch.items()}
+
+  def eval_to_global(self, batch):
+    """An evaluation batch every process holds whole -> a global array."""
+    sharding = partitioning.batch_sharding(self.mesh)
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in batch.items()}
+
+
+def _vocabulary(config, workdir: str, is_chief: bool):
+  """Trained once by process 0 into the workdir, then read by every process: (processor, path)."""
+  if is_chief:
+    tokenizer.train_or_load(config, workdir, lambda: input_pipeline.python_pairs(config))
+  if jax.process_count() > 1:  # a coordination-service barrier: a device collective on CPU gives up after 30 s
+    from orbax.checkpoint import multihost
+    multihost.get_barrier_sync_fn()(key='vocabulary', timeout_ms=VOCABULARY_TIMEOUT_SECONDS * 1000)
+  return tokenizer.train_or_load(config, workdir, None)
+
+
+def _resume(config, workdir: str, state, state_shardings, manager):
+  """The newest checkpoint that restores (state, data state), or the fresh state: (state, data state)."""
+  state, data_state, step = checkpointing.restore_latest(manager, state, state_shardings, config.restore_data_state)
+  if step is not None:
+    if data_state is None:
+      print(f'the data stream restarts at step {step} with a seed derived from it', flush=True)
+    print(f'resumed from step {step} in {workdir}', flush=True)
+  return state, data_state
+
+
+def set_up(config, workdir: str, devices=None) -> Run:
+  """Checks, mesh, vocabulary, train state (resumed if the workdir has a checkpoint), data and jitted steps."""
   enable_compilation_cache()
   platforms.import_tensorflow_quietly()
   maybe_initialize_distributed(config)
   platforms.check(config.platform)
   check_config(config)
   model_config = TransformerConfig.from_config(config)
-  fused_output_loss = platforms.fused_output_loss(config.output_loss)
-  is_chief = jax.process_index() == 0
-  workdir = os.path.abspath(workdir)
+  is_chief, workdir = jax.process_index() == 0, os.path.abspath(workdir)
   checkpointing.check_workdir(workdir, config)
   mesh = partitioning.create_mesh(config.mesh_shape, devices)
   partitioning.check_model_fits_mesh(model_config, mesh)
-  dp_size = partitioning.data_parallel_size(mesh)
-
-  # Vocabulary: trained once by process 0 into the workdir, then read by everyone.
-  if is_chief:
-    _, vocab_path = tokenizer.train_or_load(config, workdir, lambda: input_pipeline.python_pairs(config))
-  if jax.process_count() > 1:  # a coordination-service barrier: a device collective on CPU gives up after 30 s
-    from orbax.checkpoint import multihost
-    multihost.get_barrier_sync_fn()(key='vocabulary', timeout_ms=VOCABULARY_TIMEOUT_SECONDS * 1000)
-  processor, vocab_path = tokenizer.train_or_load(config, workdir, None)
+  processor, vocab_path = _vocabulary(config, workdir, is_chief)
   if is_chief:
     checkpointing.write_config(workdir, config)
-
-  rng = jax.random.key(config.seed, impl=config.dropout_rng_impl)
-  init_rng, dropout_rng = jax.random.split(rng)
+  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed, impl=config.dropout_rng_impl))
   state, state_shardings = partitioning.create_train_state(config, model_config, mesh, init_rng)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
-
-  state, data_state, start_step = checkpointing.restore_latest(manager, state, state_shardings,
-                                                               config.restore_data_state)
-  if start_step is not None:
-    if data_state is None:
-      print(f'the data stream restarts at step {start_step} with a seed derived from it', flush=True)
-    print(f'resumed from step {start_step} in {workdir}', flush=True)
-  start_step = int(jax.device_get(state.step))
-  shard = partitioning.data_shard(mesh)
-  train_iter = input_pipeline.process_train_batches(config, vocab_path, shard, dp_size,
+  state, data_state = _resume(config, workdir, state, state_shardings, manager)
+  start_step, shard = int(jax.device_get(state.step)), partitioning.data_shard(mesh)
+  train_iter = input_pipeline.process_train_batches(config, vocab_path, shard, partitioning.data_parallel_size(mesh),
                                                     data_seed(config.seed, start_step), data_state)
-
+  fused_output_loss = platforms.fused_output_loss(config.output_loss)
   if is_chief:
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     print(platforms.banner(config, model_config, mesh, num_params, len(train_iter.plan.used_shapes),
                            fused_output_loss), flush=True)
-  _, schedule = optim.create_optimizer(config, model_config.d_model)
   train_step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
                         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -226,173 +263,221 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   eval_step = partitioning.jit_eval_step(
       functools.partial(steps.eval_step, model_config=model_config, label_smoothing=config.label_smoothing),
       mesh, state_shardings.params)
-  batch_sharding = partitioning.batch_sharding(mesh)
+  _, schedule = optim.create_optimizer(config, model_config.d_model)
+  return Run(config, workdir, is_chief, model_config, mesh, processor, vocab_path, state, state_shardings, manager,
+             start_step, train_iter, train_step, eval_step, schedule, dropout_rng, shard[1])
 
-  def to_global(batch):  # this process's rows of a training batch -> the global batch
-    return {k: jax.make_array_from_process_local_data(batch_sharding, v, (v.shape[0] * shard[1], *v.shape[1:]))
-            for k, v in batch.items()}
 
-  def eval_to_global(batch):  # every process holds the whole evaluation batch
-    return {k: jax.make_array_from_callback(v.shape, batch_sharding, lambda index, v=v: v[index])
-            for k, v in batch.items()}
+class MetricsLog:
+  """TensorBoard scalars, the JSONL of metrics and every step's loss, and the console (process 0 only)."""
 
-  writer = tf.summary.create_file_writer(os.path.join(workdir, 'tensorboard')) if is_chief else None
-  metrics_file = open(os.path.join(workdir, METRICS_FILENAME), 'a') if is_chief else None
+  def __init__(self, workdir: str, is_chief: bool):
+    self.is_chief = is_chief
+    self.writer = tf.summary.create_file_writer(os.path.join(workdir, 'tensorboard')) if is_chief else None
+    self.file = open(os.path.join(workdir, METRICS_FILENAME), 'a') if is_chief else None
 
-  def log_scalars(step, scalars, prefix):
-    if not is_chief:
+  def scalars(self, step: int, scalars: dict, prefix: str) -> None:
+    if not self.is_chief:
       return
-    with writer.as_default(step=step):
+    with self.writer.as_default(step=step):
       for name, value in scalars.items():
         tf.summary.scalar(f'{prefix}/{name}', value)
-    writer.flush()
-    metrics_file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
-    metrics_file.flush()
+    self.writer.flush()
+    self.file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
+    self.file.flush()
 
-  saving = {'step': None, 'failed': False}  # the asynchronous save in flight, and whether one failed
+  def step_losses(self, step: int, losses) -> None:
+    """Every step's loss, exactly (json floats round-trip), for resume checks and plots."""
+    if self.is_chief:
+      self.file.write(json.dumps({'step': step, 'split': 'train_steps', 'losses': [float(x) for x in losses]}) + '\n')
 
-  def save_failed(step, error):
-    saving['failed'] = True  # Orbax's threads may wait forever now: the run exits without closing them
-    return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {workdir} failed '
+  def say(self, text: str) -> None:
+    if self.is_chief:
+      print(text, flush=True)
+
+  def close(self) -> None:
+    if self.file:
+      self.file.close()
+
+
+class Saver:
+  """Asynchronous checkpoints whose failure is reported at once, naming the step that failed."""
+
+  def __init__(self, manager, workdir: str):
+    self.manager, self.workdir = manager, workdir
+    self.step, self.failed = None, False  # the save in flight; whether one failed
+
+  def _failure(self, step, error) -> CheckpointSaveFailed:
+    self.failed = True  # Orbax's threads may wait forever now: the run exits without closing them
+    return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {self.workdir} failed '
                                 f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
                                 f'and earlier checkpoints are intact')
 
-  def check_saves():
-    """Reports a failed asynchronous save at the first step after it failed, naming its step."""
-    if saving['step'] is not None:
+  def check(self) -> None:
+    """Raises for a failed asynchronous save, at the first step after it failed."""
+    if self.step is not None:
       try:
-        manager.check_for_errors()
+        self.manager.check_for_errors()
       except Exception as error:  # disk full, permission denied...
-        raise save_failed(saving['step'], error) from None
+        raise self._failure(self.step, error) from None
 
-  def save(step):
+  def finish(self) -> None:
     try:
-      manager.wait_until_finished()
+      self.manager.wait_until_finished()
     except Exception as error:
-      raise save_failed(saving['step'], error) from None
+      raise self._failure(self.step, error) from None
+
+  def save(self, step: int, state, data_state: dict) -> None:
+    self.finish()
     try:
-      checkpointing.save_state(manager, state, train_iter.state())
+      checkpointing.save_state(self.manager, state, data_state)
     except Exception as error:
-      raise save_failed(step, error) from None
-    saving['step'] = step
+      raise self._failure(step, error) from None
+    self.step = step
 
-  eval_sources, eval_references, eval_dataset = None, None, None
+  def close(self) -> None:
+    if not self.failed:
+      self.manager.close()
 
-  def evaluate(step):
-    """Validation metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
-    nonlocal eval_sources, eval_references, eval_dataset
-    stopping = lambda: stop.received is not None
-    if eval_dataset is None:  # tokenised and batched once, the same batches on every process
-      eval_dataset = input_pipeline.eval_batches(config, vocab_path, 'eval', dp_size)
-    results = evaluation.evaluate_loss(eval_step, state.params, eval_dataset, eval_to_global,
-                                       should_stop=stopping)
+
+class Evaluator:
+  """Validation loss, perplexity and accuracy, and BLEU on a sample, every process on the same batches."""
+
+  def __init__(self, run: Run, log: MetricsLog):
+    self.run, self.log = run, log
+    self.batches, self.sources, self.references = None, None, None  # built at the first evaluation
+
+  def _translate(self, params, should_stop):
+    config, run = self.run.config, self.run
+    if self.sources is None:
+      pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+      self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
+    if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
+      from jax.experimental import multihost_utils
+      params = multihost_utils.process_allgather(params, tiled=True)
+    return evaluation.translate_sentences(params, run.model_config, run.processor, self.sources,
+                                          beam_size=config.beam_size, alpha=config.length_penalty_alpha,
+                                          max_extra_length=config.max_extra_length,
+                                          batch_tokens=config.eval_tokens_per_batch, should_stop=should_stop,
+                                          top_k=config.beam_top_k)
+
+  def __call__(self, step: int, params, stop) -> dict:
+    """The metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
+    config, run, should_stop = self.run.config, self.run, lambda: stop.received is not None
+    if self.batches is None:
+      dp_size = partitioning.data_parallel_size(run.mesh)
+      self.batches = input_pipeline.eval_batches(config, run.vocab_path, 'eval', dp_size)
+    results = evaluation.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
     if results is not None and config.num_eval_bleu_sentences > 0:
-      if eval_sources is None:
-        pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
-        eval_sources, eval_references = [p[0] for p in pairs], [p[1] for p in pairs]
-      params = state.params
-      if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
-        from jax.experimental import multihost_utils
-        params = multihost_utils.process_allgather(params, tiled=True)
-      hypotheses = evaluation.translate_sentences(params, model_config, processor, eval_sources,
-                                                  beam_size=config.beam_size, alpha=config.length_penalty_alpha,
-                                                  max_extra_length=config.max_extra_length,
-                                                  batch_tokens=config.eval_tokens_per_batch,
-                                                  should_stop=stopping, top_k=config.beam_top_k)
+      hypotheses = self._translate(params, should_stop)
       if hypotheses is None:
         results = None
       else:
-        results['bleu'], _ = evaluation.bleu(hypotheses, eval_references, config.get('bleu_tokenize', '13a'))
-        if is_chief:  # the sample's translations, to read beside the score
-          tf.io.gfile.makedirs(os.path.join(workdir, TRANSLATIONS_DIR))
-          with tf.io.gfile.GFile(os.path.join(workdir, TRANSLATIONS_DIR, f'eval_{step}.txt'), 'w') as f:
+        results['bleu'], _ = evaluation.bleu(hypotheses, self.references, config.get('bleu_tokenize', '13a'))
+        if run.is_chief:  # the sample's translations, to read beside the score
+          tf.io.gfile.makedirs(os.path.join(run.workdir, TRANSLATIONS_DIR))
+          with tf.io.gfile.GFile(os.path.join(run.workdir, TRANSLATIONS_DIR, f'eval_{step}.txt'), 'w') as f:
             f.write(''.join(h + '\n' for h in hypotheses))
     if results is None:
       print(f'evaluation at step {step} abandoned: {stop.received} received', flush=True)
       return {}
-    log_scalars(step, results, 'eval')
-    if is_chief:
-      bleu = f' bleu {results["bleu"]:.2f}' if 'bleu' in results else ''
-      print(f'eval step {step}: loss {results["loss"]:.4f} perplexity {results["perplexity"]:.2f} '
-            f'accuracy {results["accuracy"]:.4f}{bleu}', flush=True)
+    self.log.scalars(step, results, 'eval')
+    bleu = f' bleu {results["bleu"]:.2f}' if 'bleu' in results else ''
+    self.log.say(f'eval step {step}: loss {results["loss"]:.4f} perplexity {results["perplexity"]:.2f} '
+                 f'accuracy {results["accuracy"]:.4f}{bleu}')
     return results
 
+
+class Progress:
+  """Per-interval training metrics, the progress line and its ETA (evaluations included)."""
+
+  def __init__(self, run: Run, log: MetricsLog):
+    self.run, self.log = run, log
+    self.tick, self.tick_step, self.start = time.perf_counter(), run.start_step, time.perf_counter()
+    self.eval_seconds = []  # how long each evaluation took
+
+  def report(self, step: int, fetched: list, losses) -> dict:
+    config, now = self.run.config, time.perf_counter()
+    elapsed = now - self.tick
+    metrics = {'loss': _finite_mean(losses), 'nll': _finite_mean([m['nll'] for m in fetched]),
+               'accuracy': _finite_mean([m['accuracy'] for m in fetched]),
+               'grad_norm': _finite_mean([m['grad_norm'] for m in fetched]),
+               'learning_rate': float(self.run.schedule(step - 1)),
+               'tokens_per_second': float(sum(m['tokens'] for m in fetched)) / elapsed,
+               'steps_per_second': (step - self.tick_step) / elapsed,
+               'dropped_too_long': self.run.train_iter.plan.dropped}
+    self.log.scalars(step, metrics, 'train')
+    self.log.step_losses(step, losses)
+    evaluations_left = config.num_train_steps // config.eval_every_steps - step // config.eval_every_steps
+    eta = ((config.num_train_steps - step) / max(metrics['steps_per_second'], 1e-9)
+           + evaluations_left * (np.mean(self.eval_seconds) if self.eval_seconds else 0.0))
+    self.log.say(f'step {step}/{config.num_train_steps} loss {metrics["loss"]:.4f} lr {metrics["learning_rate"]:.2e} '
+                 f'{metrics["tokens_per_second"]:,.0f} tok/s elapsed {_format_eta(now - self.start)} '
+                 f'ETA {_format_eta(eta)}')
+    self.tick, self.tick_step = now, step
+    return metrics
+
+  def evaluated(self, seconds: float) -> None:
+    self.eval_seconds.append(seconds)
+    self.tick = time.perf_counter()
+
+
+def train_and_evaluate(config, workdir: str, devices=None) -> dict:
+  """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
+  run = set_up(config, workdir, devices)
+  log, saver = MetricsLog(run.workdir, run.is_chief), Saver(run.manager, run.workdir)
   stop = _StopSignal(multi_process=jax.process_count() > 1)
-  guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps, verbose=is_chief)
-  guard.checkpoints = checkpointing.available_steps(workdir)
-  pending, last_metrics, eval_results = [], {}, {}
-  compiled_shapes, eval_seconds = set(), []  # batch shapes seen; how long each evaluation took (for the ETA)
-  tick, tick_step, run_start = time.perf_counter(), start_step, time.perf_counter()
-  step = start_step
   try:
-    while step < config.num_train_steps:
-      batch = to_global(next(train_iter))
-      shape = (batch['inputs'].shape, batch['targets'].shape)
-      if shape not in compiled_shapes:  # a new batch shape: compiled (or read from the cache) now
-        compiled_shapes.add(shape)
-        if is_chief:
-          print(f'compiling the train step for batch shape {len(compiled_shapes)} of '
-                f'{len(train_iter.plan.used_shapes)}: {shape[0][0]} x ({shape[0][1]} + {shape[1][1]}) tokens',
-                flush=True)
-      state, metrics = train_step(state, batch, dropout_rng)
-      pending.append(metrics)
-      step += 1
-      check_saves()
-      last = step == config.num_train_steps
-      stop_now = stop.check(step)  # every step: the processes' agreed stop step must not be skipped
-      checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop_now
-      if step % config.log_every_steps == 0 or checkpoint_due:
-        fetched = jax.device_get(pending)
-        losses = np.array([m['loss'] for m in fetched])
-        for i, loss in enumerate(losses):  # before this step's checkpoint: a lost run never overwrites one
-          guard.update(step - len(fetched) + i + 1, float(loss))
-        now = time.perf_counter()
-        tokens = float(sum(m['tokens'] for m in fetched))
-        elapsed = now - tick
-        last_metrics = {'loss': _finite_mean(losses), 'nll': _finite_mean([m['nll'] for m in fetched]),
-                        'accuracy': _finite_mean([m['accuracy'] for m in fetched]),
-                        'grad_norm': _finite_mean([m['grad_norm'] for m in fetched]),
-                        'learning_rate': float(schedule(step - 1)), 'tokens_per_second': tokens / elapsed,
-                        'steps_per_second': (step - tick_step) / elapsed,
-                        'dropped_too_long': train_iter.plan.dropped}
-        log_scalars(step, last_metrics, 'train')
-        if is_chief:  # every step's loss, exactly (json floats round-trip), for resume checks and plots
-          metrics_file.write(json.dumps({'step': step, 'split': 'train_steps',
-                                         'losses': [float(x) for x in losses]}) + '\n')
-        if is_chief:
-          evaluations_left = config.num_train_steps // config.eval_every_steps - step // config.eval_every_steps
-          eta = ((config.num_train_steps - step) / max(last_metrics['steps_per_second'], 1e-9)
-                 + evaluations_left * (np.mean(eval_seconds) if eval_seconds else 0.0))
-          print(f'step {step}/{config.num_train_steps} loss {last_metrics["loss"]:.4f} '
-                f'lr {last_metrics["learning_rate"]:.2e} {last_metrics["tokens_per_second"]:,.0f} tok/s '
-                f'elapsed {_format_eta(now - run_start)} ETA {_format_eta(eta)}', flush=True)
-        pending, tick, tick_step = [], now, step
-      if checkpoint_due and guard.nonfinite:  # skipped updates leave the state as it was; a broken one stays broken
-        print(f'no checkpoint at step {step}: its loss is not finite', flush=True)
-      elif checkpoint_due:
-        save(step)
-        guard.saved(step)
-      if step % config.eval_every_steps == 0 or last:
-        eval_start = time.perf_counter()
-        eval_results = evaluate(step)
-        tick = time.perf_counter()
-        eval_seconds.append(tick - eval_start)
-      if stop.received:
-        if not checkpoint_due:  # the signal arrived after this step's checks
-          save(step)
-        print(f'{stop.received} received: checkpoint saved at step {step}; exiting', flush=True)
-        break
-    if guard.nonfinite:
-      raise TrainingDiverged(f'the training loss was not finite from step {guard.nonfinite[0]} to the last step; '
-                             f'{guard.last_good(guard.nonfinite[0])}')
-    try:
-      manager.wait_until_finished()
-    except Exception as error:
-      raise save_failed(saving['step'], error) from None
+    return _train(run, log, saver, stop)
   finally:
     stop.restore()
-    if not saving['failed']:
-      manager.close()
-    if metrics_file:
-      metrics_file.close()
+    saver.close()
+    log.close()
+
+
+def _train(run: Run, log: MetricsLog, saver: Saver, stop: '_StopSignal') -> dict:
+  """The loop: a step, then the hooks due after it (progress, checkpoint, evaluation, stop)."""
+  config, state = run.config, run.state
+  guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps, run.is_chief)
+  guard.checkpoints = checkpointing.available_steps(run.workdir)
+  evaluate, progress = Evaluator(run, log), Progress(run, log)
+  pending, last_metrics, eval_results, compiled_shapes, step = [], {}, {}, set(), run.start_step
+  while step < config.num_train_steps:
+    batch = run.to_global(next(run.train_iter))
+    shape = (batch['inputs'].shape, batch['targets'].shape)
+    if shape not in compiled_shapes:  # a new batch shape: compiled (or read from the cache) now
+      compiled_shapes.add(shape)
+      log.say(f'compiling the train step for batch shape {len(compiled_shapes)} of '
+              f'{len(run.train_iter.plan.used_shapes)}: {shape[0][0]} x ({shape[0][1]} + {shape[1][1]}) tokens')
+    state, metrics = run.train_step(state, batch, run.dropout_rng)
+    pending.append(metrics)
+    step += 1
+    saver.check()
+    last = step == config.num_train_steps
+    stop_now = stop.check(step)  # every step: the processes' agreed stop step must not be skipped
+    checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop_now
+    if step % config.log_every_steps == 0 or checkpoint_due:
+      fetched = jax.device_get(pending)
+      losses = np.array([m['loss'] for m in fetched])
+      for i, loss in enumerate(losses):  # before this step's checkpoint: a lost run never overwrites one
+        guard.update(step - len(fetched) + i + 1, float(loss))
+      last_metrics, pending = progress.report(step, fetched, losses), []
+    if checkpoint_due and guard.nonfinite:  # skipped updates leave the state as it was; a broken one stays broken
+      print(f'no checkpoint at step {step}: its loss is not finite', flush=True)
+    elif checkpoint_due:
+      saver.save(step, state, run.train_iter.state())
+      guard.saved(step)
+    if step % config.eval_every_steps == 0 or last:
+      eval_start = time.perf_counter()
+      eval_results = evaluate(step, state.params, stop)
+      progress.evaluated(time.perf_counter() - eval_start)
+    if stop.received:
+      if not checkpoint_due:  # the signal arrived after this step's checks
+        saver.save(step, state, run.train_iter.state())
+      print(f'{stop.received} received: checkpoint saved at step {step}; exiting', flush=True)
+      break
+  if guard.nonfinite:
+    raise TrainingDiverged(f'the training loss was not finite from step {guard.nonfinite[0]} to the last step; '
+                           f'{guard.last_good(guard.nonfinite[0])}')
+  saver.finish()
   return {'step': step, 'train': last_metrics, 'eval': eval_results}
