@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 
 from bench.train_step import matmul_peak  # noqa: E402
 from flax_transformer import decode  # noqa: E402
-from flax_transformer.model import EOS_ID, Transformer, TransformerConfig  # noqa: E402
+from flax_transformer.constants import EOS_ID  # noqa: E402
+from flax_transformer.model import Transformer, TransformerConfig  # noqa: E402
 
 BATCH, SOURCE_LENGTH, OUTPUT_LENGTH = 64, 20, 40
 CONFIG = TransformerConfig(vocab_size=8192, d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
