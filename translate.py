@@ -85,9 +85,9 @@ def run(f) -> None:
           f'{what}', file=sys.stderr)
   pieces, owners = sentences, list(range(len(sentences)))
   if f.split_long and too_long:
-    pieces, owners = [], []
+    pieces, owners, long_set = [], [], set(too_long)
     for i, sentence in enumerate(sentences):
-      split = evaluation.split_at_punctuation(processor, sentence, limit) if i in set(too_long) else [sentence]
+      split = evaluation.split_at_punctuation(processor, sentence, limit) if i in long_set else [sentence]
       pieces += split
       owners += [i] * len(split)
   print(f'translating {len(sentences)} lines with checkpoint(s) {chosen} on {jax.device_count()} '

@@ -163,11 +163,9 @@ def candidate_fixes(config, mesh_shape, devices: int):
         meshes[0], k * config.gradient_accumulation_steps
 
 
-def resolve_mesh(mesh_shape, devices: int) -> tuple[int, int, int]:
-  shape = list(mesh_shape)
-  if -1 in shape:
-    shape[shape.index(-1)] = devices // max(1, -math.prod(shape))
-  return tuple(shape)
+def resolve_mesh(mesh_shape) -> tuple[int, int, int]:
+  """The mesh shape with its -1 entry filled in (and checked) as partitioning.create_mesh does."""
+  return tuple(partitioning.create_mesh(mesh_shape).devices.shape)
 
 
 def table(figures: dict, peak_tflops: float, mfu: float, memory_gb: float | None) -> str:
@@ -195,7 +193,7 @@ def plan(config, devices: int, mesh_shape, peak_tflops: float = 0.0, mfu: float 
   if len(jax.devices()) != devices:
     raise ConfigError(f'--devices={devices} but JAX has {len(jax.devices())} devices; run plan as a module '
                       f'(python -m flax_transformer.plan) so it can create them')
-  mesh_shape = resolve_mesh(ast.literal_eval(mesh_shape) if isinstance(mesh_shape, str) else mesh_shape, devices)
+  mesh_shape = resolve_mesh(ast.literal_eval(mesh_shape) if isinstance(mesh_shape, str) else mesh_shape)
   figures = compile_step(config, mesh_shape)
 
   def timing(f):

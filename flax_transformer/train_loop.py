@@ -109,11 +109,12 @@ class LossGuard:
   step's update is skipped by optax.apply_if_finite), or above `factor` × its running median (of the last
   `window` finite losses) for `patience` consecutive steps. Names the last checkpoint from before the trouble."""
 
-  def __init__(self, max_skipped: int, factor: float, patience: int, window: int = 200, verbose: bool = True):
+  def __init__(self, max_skipped: int, factor: float, patience: int, window: int = 200, verbose: bool = True,
+               checkpoints: list[int] | None = None):
     self.max_skipped, self.factor, self.patience, self.verbose = max_skipped, factor, patience, verbose
     self.history = collections.deque(maxlen=window)
     self.nonfinite, self.high = [], []  # steps of the current runs of non-finite and of too-high losses
-    self.checkpoints = []
+    self.checkpoints = list(checkpoints or [])  # steps saved so far, the run's earlier ones included
 
   def saved(self, step: int) -> None:
     self.checkpoints.append(step)
@@ -438,8 +439,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
 def _train(run: Run, log: MetricsLog, saver: Saver, stop: '_StopSignal') -> dict:
   """The loop: a step, then the hooks due after it (progress, checkpoint, evaluation, stop)."""
   config, state = run.config, run.state
-  guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps, run.is_chief)
-  guard.checkpoints = checkpointing.available_steps(run.workdir)
+  guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps,
+                    verbose=run.is_chief, checkpoints=checkpointing.available_steps(run.workdir))
   evaluate, progress = Evaluator(run, log), Progress(run, log)
   pending, last_metrics, eval_results, compiled_shapes, step = [], {}, {}, set(), run.start_step
   while step < config.num_train_steps:
