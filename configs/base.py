@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.max_len = 512  # Position-table rows: longest sentence (or decode) in tokens.
   config.model.dtype = 'float32'  # 'bfloat16' computes in bf16 with float32 parameters.
   config.model.layer_norm_epsilon = 1e-6
-  config.model.scan_unroll = 1  # Layers per scan step; the number of layers unrolls them: ~6% faster steps on 2 CPU cores, ~45% longer compiles.
+  config.model.scan_unroll = 1  # Layers per scan step; all layers unrolled: faster CPU steps, longer compiles.
 
   # --- Data (§5.1) ---
   config.dataset = 'wmt14_translate/de-en'  # A tfds name, or 'files' for the *_source/*_target paths below.

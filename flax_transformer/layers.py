@@ -154,7 +154,7 @@ def dropout_keep_mask(rng: jax.Array, rate: float, shape: tuple[int, ...], metho
   >= rate·2³². This is a counter-based generator in the style of Philox/Threefry but with 2 cheap rounds:
   it is an elementwise function of the index, so XLA fuses it into the op that applies the mask (no
   [shape] array of random bits is materialised), and under SPMD each device hashes its own global
-  indices, so sharded masks equal single-device masks. On 2 CPU cores it cut a Multi30k step by ~12%.
+  indices, so sharded masks equal single-device masks. Its speed: docs/performance.md (tools/ablation.py).
   """
   if method == 'random':
     return jax.random.bernoulli(rng, 1.0 - rate, shape)
@@ -318,11 +318,10 @@ class MultiHeadAttention(nn.Module):
   # --- Incremental decoding -------------------------------------------------------------
 
   def init_cache(self, batch_size: int, max_len: int, memory: jax.Array | None = None) -> dict:
-    """This layer's decoding cache, laid out as the per-step products read it (no transposes per step).
+    """This sub-layer's decoding cache (layout: `model.Transformer.init_cache`).
 
-    Self-attention: zero keys [batch_size, h, d, max_len] and values [batch_size, h, max_len, d],
-    filled one position per step. Encoder-decoder attention: the projected `memory` [b, s, e] as keys
-    [b, h, d, s] and values [b, h, s, d], computed once per sentence and never reordered by beam search.
+    Self-attention: zero buffers for batch_size hypotheses, filled one position per step.
+    Encoder-decoder attention: the projected `memory` [b, s, e], once per sentence.
     """
     h, d = self.num_heads, self.d_model // self.num_heads
     if self.self_attention:
@@ -368,7 +367,7 @@ class MultiHeadAttention(nn.Module):
     weights = jax.nn.softmax(logits + memory_bias, axis=-1)  # [b, h, n, s]
     self.sow('intermediates', 'attention_weights',
              jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, s]
-    # Output [b, h, n, d] (batch axes first): XLA:CPU's product is ~10x slower writing [b, n, h, d].
+    # Output [b, h, n, d] (batch axes first): XLA:CPU's batched product is far slower writing [b, n, h, d].
     context = jnp.swapaxes(jnp.einsum('bhns,bhsd->bhnd', weights.astype(self.dtype), value), 1, 2)  # [b, n, h, d]
     context = context.reshape(x.shape[0], 1, *context.shape[2:])  # [bn, 1, h, d]
     return self._output(context), cache

@@ -133,11 +133,7 @@ class DecoderLayer(nn.Module):
     self.cross_attention_sublayer = SublayerConnection(c)
     self.feed_forward_sublayer = SublayerConnection(c)
 
-  # __call__ and init_cache share one argument layout, (carry, per-layer input, four shared inputs),
-  # because nn.scan runs both over the stacked layers with the same in_axes. decode_step is called per
-  # layer (Transformer.decode_step), outside the scan.
-
-  def __call__(self, y, unused_layer_input, memory, memory_lengths, unused, deterministic):
+  def __call__(self, y, memory, memory_lengths, deterministic):
     """y [b, t, e], memory [b, s, e], memory_lengths [b] (real source tokens) -> ([b, t, e], None)."""
     y = self.self_attention_sublayer(
         y, lambda z: self.self_attention(z, None, causal=True, deterministic=deterministic), deterministic)
@@ -145,10 +141,10 @@ class DecoderLayer(nn.Module):
         y, lambda z: self.cross_attention(z, memory_lengths, memory, deterministic=deterministic), deterministic)
     return self.feed_forward_sublayer(y, self.feed_forward, deterministic), None
 
-  def init_cache(self, carry, unused_layer_input, memory, batch_size, max_len, unused=None):
-    """-> (carry, this layer's cache): see Transformer.init_cache."""
-    return carry, {'self': self.self_attention.init_cache(batch_size, max_len),
-                   'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
+  def init_cache(self, memory, batch_size, max_len):
+    """memory [b, s, e] -> this layer's cache (layout: Transformer.init_cache)."""
+    return {'self': self.self_attention.init_cache(batch_size, max_len),
+            'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
 
   def decode_step(self, y, cache, step, memory_bias):
     """y [b·n, 1, e] -> ([b·n, 1, e], updated cache)."""
@@ -165,6 +161,57 @@ class DecoderLayer(nn.Module):
     y = self.self_attention_sublayer(y, self_attention, True)
     y = self.cross_attention_sublayer(y, cross_attention, True)
     return self.feed_forward_sublayer(y, self.feed_forward, True), new_cache
+
+
+def _scanned(layer, config, in_axes, length):
+  """`layer` run `length` times by nn.scan over parameters stacked on a leading 'layers' axis.
+
+  XLA compiles one layer body instead of N copies (compile time grows superlinearly with N on CPU).
+  """
+  return nn.scan(layer, variable_axes={'params': 0, 'intermediates': 0}, split_rngs={'params': True, 'dropout': True},
+                 in_axes=in_axes, length=length, metadata_params={nn.PARTITION_NAME: 'layers'},
+                 unroll=config.scan_unroll)
+
+
+def _layer_slice(index, variables):
+  """Layer `index`'s slice of stacked variables (leaves [N, ...] -> [...])."""
+  return jax.tree_util.tree_map(lambda x: x[index], nn.meta.unbox(variables))
+
+
+class DecoderStack(nn.Module):
+  """The N decoder layers, over one set of parameters stacked on a leading 'layers' axis.
+
+  Teacher forcing runs them as one nn.scan. Incremental decoding runs them one after another, layer i
+  reading its slice of the same parameters: inside the decoding loop a scan would copy every layer's
+  cache in and out at each step. Both views share this module's scope, so the parameters live at
+  'decoder/...' either way and everything sown lands in the model's collections.
+  """
+  config: TransformerConfig
+
+  def setup(self):
+    c = self.config
+    self.stack = _scanned(DecoderLayer, c, (nn.broadcast,) * 3, c.num_decoder_layers)(c)
+    self.layers = [nn.map_variables(DecoderLayer, 'params', trans_in_fn=functools.partial(_layer_slice, i),
+                                    methods=['init_cache', 'decode_step'])(c)
+                   for i in range(c.num_decoder_layers)]
+    for view in (self.stack, *self.layers):
+      nn.share_scope(self, view)
+
+  def __call__(self, y, memory, memory_lengths, deterministic):
+    """Teacher-forced: y [b, t, e], memory [b, s, e], memory_lengths [b] -> [b, t, e]."""
+    return self.stack(y, memory, memory_lengths, deterministic)[0]
+
+  def init_cache(self, memory, batch_size, max_len):
+    """memory [b, s, e] -> one cache per layer (layout: Transformer.init_cache)."""
+    return tuple(layer.init_cache(memory, batch_size, max_len) for layer in self.layers)
+
+  def decode_step(self, y, caches, step, memory_bias):
+    """y [b·n, 1, e], caches from init_cache -> ([b·n, 1, e], updated caches)."""
+    new_caches = []
+    for layer, cache in zip(self.layers, caches):
+      y, cache = layer.decode_step(y, cache, step, memory_bias)
+      new_caches.append(cache)
+    return y, tuple(new_caches)
 
 
 class Transformer(nn.Module):
@@ -185,16 +232,8 @@ class Transformer(nn.Module):
     self.target_positions = (self.source_positions if not c.learned_positions
                              else layers.PositionalEncoding(c.max_len, c.d_model, True))
     self.embedding_dropout = layers.Dropout(c.dropout_rate, c.dropout_masks)
-    # Each stack is one layer scanned N times over parameters stacked on a leading 'layers' axis:
-    # XLA compiles one layer body instead of N copies (compile time grows superlinearly with N on CPU).
-    scan = functools.partial(nn.scan, variable_axes={'params': 0, 'intermediates': 0},
-                             split_rngs={'params': True, 'dropout': True},
-                             metadata_params={nn.PARTITION_NAME: 'layers'}, unroll=c.scan_unroll)
-    self.encoder = scan(EncoderLayer, in_axes=(nn.broadcast, nn.broadcast),
-                        length=c.num_encoder_layers)(c, name='encoder')
-    self.decoder = scan(DecoderLayer, in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-                        length=c.num_decoder_layers, methods=['__call__', 'init_cache'])(
-                            c, name='decoder')
+    self.encoder = _scanned(EncoderLayer, c, (nn.broadcast, nn.broadcast), c.num_encoder_layers)(c, name='encoder')
+    self.decoder = DecoderStack(c)
     if c.pre_norm:  # Pre-LN needs a final normalisation of each stack's output.
       self.encoder_norm = layers.LayerNorm(c.layer_norm_epsilon)
       self.decoder_norm = layers.LayerNorm(c.layer_norm_epsilon)
@@ -239,8 +278,7 @@ class Transformer(nn.Module):
     """Teacher-forced decoder stack: encoded [b, s, e], inputs [b, s], targets [b, t] -> [b, t, e]."""
     decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]  # [b, t] shifted right
     y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, not train)
-    y, _ = self.decoder(y, None, encoded, layers.key_lengths(inputs), None, not train)
-    return y
+    return self.decoder(y, encoded, layers.key_lengths(inputs), not train)
 
   def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
     """Teacher-forced decoder: encoded [b, s, e], inputs [b, s], targets [b, t] -> logits [b, t, v]."""
@@ -257,13 +295,11 @@ class Transformer(nn.Module):
 
     encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
     Returns {'step': int32 scalar, 'layers': one dict per decoder layer, each {'self': {'key' [b·n, h, d,
-    max_len], 'value' [b·n, h, max_len, d]}, 'cross': {'key' [b, h, d, s], 'value' [b, h, s, d]}}}.
+    max_len], 'value' [b·n, h, max_len, d]}, 'cross': {'key' [b, h, d, s], 'value' [b, h, s, d]}}}:
+    keys with d before positions so each step's products are matrix-vector products without transposes.
     Separate per-layer buffers (not one stacked array) let each step update them in place.
     """
-    batch = encoded.shape[0]
-    _, stacked = self.decoder.init_cache(jnp.zeros(()), None, encoded, batch * beam_size, max_len, None)
-    layer_caches = tuple(jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
-                         for i in range(self.config.num_decoder_layers))
+    layer_caches = self.decoder.init_cache(encoded, encoded.shape[0] * beam_size, max_len)
     return {'step': jnp.zeros((), jnp.int32), 'layers': layer_caches}
 
   @staticmethod
@@ -279,19 +315,9 @@ class Transformer(nn.Module):
     return {**cache, 'layers': layer_caches}
 
   def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache).
-
-    The layers run as a Python loop over slices of the stacked parameters rather than through the
-    training scan: inside the decoding loop a scan would copy every layer's cache in and out per step.
-    """
+    """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
     step = cache['step']
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
-    stacked = nn.meta.unbox(self.decoder.variables['params'])  # leaves [N, ...]
-    layer = DecoderLayer(self.config, parent=None)
-    new_caches = []
-    for i, layer_cache in enumerate(cache['layers']):
-      params = jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
-      y, layer_cache = layer.apply({'params': params}, y, layer_cache, step, memory_bias, method=layer.decode_step)
-      new_caches.append(layer_cache)
-    return self._logits(y)[:, 0], {'step': step + 1, 'layers': tuple(new_caches)}
+    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, memory_bias)
+    return self._logits(y)[:, 0], {'step': step + 1, 'layers': layer_caches}

@@ -29,6 +29,29 @@ def test_cached_decoding_equals_full_forward(small_model_config, np_rng):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
 
 
+def test_decoding_sows_each_layers_attention_like_the_full_forward(small_model_config, np_rng):
+  """Incremental decoding runs inside the module tree: every decoder layer's attention weights reach
+  `intermediates`, and at step t they equal row t of the teacher-forced pass's weights."""
+  batch = random_batch(np_rng, 2, 5, 4, small_model_config.vocab_size)
+  model = Transformer(small_model_config)
+  params = nn.meta.unbox(model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
+  _, full = model.apply({'params': params}, batch['inputs'], batch['targets'], mutable=['intermediates'])
+  full = full['intermediates']['decoder']  # leaves ([N, b, h, t, k],): one scanned stack
+  encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
+  cache = model.apply({'params': params}, encoded, 1, 4, method=model.init_cache)
+  previous = np.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
+  layers = small_model_config.num_decoder_layers
+  for t in range(4):
+    (_, cache), sown = model.apply({'params': params}, previous[:, t:t + 1], batch['inputs'], cache,
+                                   method=model.decode_step, mutable=['intermediates'])
+    for kind, keys in (('self_attention', slice(0, 4)), ('cross_attention', slice(None))):
+      per_layer = sown['intermediates']['decoder'][kind]['attention_weights']  # N x [b, h, 1, k]
+      assert len(per_layer) == layers
+      for i, weights in enumerate(per_layer):
+        expected = full[kind]['attention_weights'][0][i][:, :, t]  # [b, h, k]
+        np.testing.assert_allclose(np.asarray(weights[:, :, 0, keys]), np.asarray(expected), atol=1e-5)
+
+
 def _table_model(table):
   """tokens_to_logits from a fixed table: logits depend on (previous token, step)."""
   table = jnp.asarray(table)  # [steps, vocab(prev), vocab(next)]
