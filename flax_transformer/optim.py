@@ -28,8 +28,8 @@ def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, 
   return schedule
 
 
-def create_optimizer(config, d_model: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The run config's optimizer and the schedule it follows (indexed by optax's update count, from 0)."""
+def learning_rate(config, d_model: int) -> optax.Schedule:
+  """The run config's learning rate, indexed by optax's update count (from 0)."""
   paper_schedule = inverse_sqrt_schedule(d_model, config.warmup_steps, config.learning_rate_factor,
                                          config.get('lr_decay', 'inverse_sqrt'))
   paper = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
@@ -39,9 +39,14 @@ def create_optimizer(config, d_model: int) -> tuple[optax.GradientTransformation
     # update, number num_train_steps - 1, gets 1/cooldown_steps of the paper's rate).
     ramp = optax.linear_schedule(1.0, 0.0, config.cooldown_steps, config.num_train_steps - config.cooldown_steps)
     schedule = lambda count: paper(count) * ramp(count)
-  tx = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  return schedule
+
+
+def create_optimizer(config, d_model: int) -> optax.GradientTransformation:
+  """The run config's optimizer: Adam on `learning_rate`, optional clipping, non-finite updates skipped."""
+  tx = optax.adam(learning_rate(config, d_model), b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   if config.grad_clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
   if config.get('max_skipped_steps', 0) > 0:  # a non-finite gradient skips its update (the loop counts them)
     tx = optax.apply_if_finite(tx, max_consecutive_errors=config.max_skipped_steps)
-  return tx, schedule
+  return tx

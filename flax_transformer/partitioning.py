@@ -130,7 +130,7 @@ def logical_to_shardings(boxed_tree, mesh: Mesh):
 
 def _state_initializer(config, model_config: TransformerConfig):
   model = Transformer(model_config)
-  tx, _ = optim.create_optimizer(config, model_config.d_model)
+  tx = optim.create_optimizer(config, model_config.d_model)
 
   def init(rng):
     dummy = jnp.ones((1, 1), jnp.int32)

@@ -194,7 +194,7 @@ class Run:
   train_iter: Any
   train_step: Any
   eval_step: Any
-  schedule: Any
+  learning_rate: Any  # optax schedule, by update count
   dropout_rng: Any
   data_shards: int  # processes' row blocks of a batch (partitioning.data_shard)
 
@@ -264,9 +264,9 @@ def set_up(config, workdir: str, devices=None) -> Run:
   eval_step = partitioning.jit_eval_step(
       functools.partial(steps.eval_step, model_config=model_config, label_smoothing=config.label_smoothing),
       mesh, state_shardings.params)
-  _, schedule = optim.create_optimizer(config, model_config.d_model)
   return Run(config, workdir, is_chief, model_config, mesh, processor, vocab_path, state, state_shardings, manager,
-             start_step, train_iter, train_step, eval_step, schedule, dropout_rng, shard[1])
+             start_step, train_iter, train_step, eval_step,
+             optim.learning_rate(config, model_config.d_model), dropout_rng, shard[1])
 
 
 class MetricsLog:
@@ -403,7 +403,7 @@ class Progress:
     metrics = {'loss': _finite_mean(losses), 'nll': _finite_mean([m['nll'] for m in fetched]),
                'accuracy': _finite_mean([m['accuracy'] for m in fetched]),
                'grad_norm': _finite_mean([m['grad_norm'] for m in fetched]),
-               'learning_rate': float(self.run.schedule(step - 1)),
+               'learning_rate': float(self.run.learning_rate(step - 1)),
                'tokens_per_second': float(sum(m['tokens'] for m in fetched)) / elapsed,
                'steps_per_second': (step - self.tick_step) / elapsed,
                'dropped_too_long': self.run.train_iter.plan.dropped}

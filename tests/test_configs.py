@@ -30,7 +30,7 @@ def test_paper_values(name, module, sizes, dropout, steps, average):
 
 def test_base_optimizer_applies_the_papers_first_update():
   config = base.get_config()
-  tx, schedule = optim.create_optimizer(config, config.model.d_model)
+  tx, schedule = optim.create_optimizer(config, config.model.d_model), optim.learning_rate(config, config.model.d_model)
   g = np.array([0.5, -2.0, 1e-9], np.float32)
   updates, _ = tx.update({'w': g}, tx.init({'w': np.zeros(3, np.float32)}), {'w': np.zeros(3, np.float32)})
   # Step 1 of Adam(0.9, 0.98, 1e-9): m̂ = g, v̂ = g², update = -lr · g / (|g| + 1e-9), lr = 512^-0.5 · 4000^-1.5.
