@@ -54,7 +54,7 @@ def run(f) -> None:
   import jax
   from flax_transformer import platforms
   platforms.import_tensorflow_quietly()
-  from flax_transformer import average, checkpointing, evaluation, tokenizer
+  from flax_transformer import average, checkpointing, evaluation, input_pipeline, tokenizer
   from flax_transformer.errors import WorkdirError
   from flax_transformer.model import TransformerConfig
   import flax.linen as nn
@@ -76,7 +76,8 @@ def run(f) -> None:
   sentences = read_input(f.input)
   references = read_references(f.reference, len(sentences)) if f.reference else None
   limit = model_config.max_len - 1  # source tokens the model takes, with the end-of-sentence token
-  too_long = evaluation.long_lines(processor, sentences, limit)
+  encoded = input_pipeline.encode_sentences(processor, sentences)
+  too_long = [i for i, ids in enumerate(encoded) if len(ids) > limit]
   if too_long:
     shown = ', '.join(str(i + 1) for i in too_long[:10]) + (', ...' if len(too_long) > 10 else '')
     what = ('split at sentence punctuation and translated in pieces' if f.split_long else
@@ -85,16 +86,19 @@ def run(f) -> None:
           f'{what}', file=sys.stderr)
   pieces, owners = sentences, list(range(len(sentences)))
   if f.split_long and too_long:
-    pieces, owners, long_set = [], [], set(too_long)
-    for i, sentence in enumerate(sentences):
-      split = evaluation.split_at_punctuation(processor, sentence, limit) if i in long_set else [sentence]
+    long_set, split_ids = set(too_long), []
+    pieces, owners = [], []
+    for i, (sentence, ids) in enumerate(zip(sentences, encoded)):
+      split = input_pipeline.split_at_punctuation(processor, sentence, limit) if i in long_set else [sentence]
       pieces += split
       owners += [i] * len(split)
+      split_ids += input_pipeline.encode_sentences(processor, split) if i in long_set else [ids]
+    encoded = split_ids
   print(f'translating {len(sentences)} lines with checkpoint(s) {chosen} on {jax.device_count()} '
         f'{jax.default_backend()} device(s)', file=sys.stderr)
   progress = lambda done, total: print(f'\r{done}/{total} sentences', end='', file=sys.stderr, flush=True)
   translated = evaluation.translate_sentences(
-      params, model_config, processor, pieces,
+      params, model_config, processor, pieces, encoded=encoded,
       beam_size=f.beam_size if f.beam_size is not None else config.beam_size,
       alpha=f.alpha if f.alpha is not None else config.length_penalty_alpha,
       max_extra_length=config.max_extra_length,

@@ -29,40 +29,22 @@ def evaluate_loss(eval_step, params, batches, to_global, should_stop=None) -> di
           'accuracy': float(totals['correct']) / tokens, 'tokens': tokens}
 
 
-_SENTENCE_END = re.compile(r'(?<=[.!?;:])\s+')
-
-
-def long_lines(processor, sentences: list[str], limit: int) -> list[int]:
-  """Indices of the sentences longer than `limit` source tokens (what translate_sentences cuts to fit)."""
-  return [i for i, s in enumerate(sentences) if s.strip() and len(processor.encode(s)) > limit]
-
-
-def split_at_punctuation(processor, sentence: str, limit: int) -> list[str]:
-  """`sentence` as pieces cut after sentence punctuation (. ! ? ; :) and regrouped greedily, each within
-  `limit` tokens where the punctuation allows (a piece with no such break inside stays whole, and is cut)."""
-  pieces, current = [], ''
-  for part in _SENTENCE_END.split(sentence.strip()):
-    joined = f'{current} {part}' if current else part
-    if current and len(processor.encode(joined)) > limit:
-      pieces.append(current)
-      current = part
-    else:
-      current = joined
-  return pieces + [current]
-
-
 def translate_sentences(params, model_config, processor, sentences: list[str], *, beam_size: int, alpha: float,
                         max_extra_length: int, batch_tokens: int = 4096, progress=None,
-                        should_stop=None, top_k: str = 'auto') -> list[str] | None:
+                        should_stop=None, top_k: str = 'auto', encoded: list[list[int]] | None = None
+                        ) -> list[str] | None:
   """Translates `sentences` in length-sorted batches and returns the translations in input order.
 
   Empty sentences translate to empty strings; sources longer than the model's position table are cut.
   Returns None, abandoning the rest, as soon as `should_stop()` is true (checked before each batch).
   top_k: config.beam_top_k ('auto', 'two_stage' or 'lax').
+  encoded: the sentences' ids from `input_pipeline.encode_sentences`, when the caller already has them.
   """
   model = Transformer(model_config)
   outputs = [''] * len(sentences)
-  batches = input_pipeline.translation_batches(processor, sentences, model_config.max_len - 1, batch_tokens)
+  if encoded is None:
+    encoded = input_pipeline.encode_sentences(processor, sentences)
+  batches = input_pipeline.translation_batches(encoded, model_config.max_len - 1, batch_tokens)
   total, done = sum(len(indices) for indices, _ in batches), 0
   for indices, inputs in batches:
     if should_stop and should_stop():

@@ -31,6 +31,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import time
 
 import jax
@@ -378,16 +379,44 @@ def _round_up(x: int, to: int) -> int:
   return -(-x // to) * to
 
 
-def translation_batches(processor, sentences: list[str], limit: int, batch_tokens: int,
+_SENTENCE_END = re.compile(r'(?<=[.!?;:])\s+')
+
+
+def encode_sentences(processor, sentences: list[str]) -> list[list[int]]:
+  """Each sentence's token ids (no EOS); a blank sentence has none."""
+  return [processor.encode(s) if s.strip() else [] for s in sentences]
+
+
+def split_at_punctuation(processor, sentence: str, limit: int) -> list[str]:
+  """`sentence` as pieces cut after sentence punctuation (. ! ? ; :) and regrouped greedily, each within
+  `limit` tokens where the punctuation allows (a piece with no such break inside stays whole, and is cut).
+
+  Each part is encoded once: a joined piece's length is its parts' plus a space's per join (SentencePiece
+  does not merge tokens across whitespace).
+  """
+  parts = _SENTENCE_END.split(sentence.strip())
+  lengths, space = [len(processor.encode(part)) for part in parts], len(processor.encode(' '))
+  pieces, current, current_length = [], parts[0], lengths[0]
+  for part, length in zip(parts[1:], lengths[1:]):
+    if current_length + space + length > limit:
+      pieces.append(current)
+      current, current_length = part, length
+    else:
+      current, current_length = f'{current} {part}', current_length + space + length
+  return pieces + [current]
+
+
+def translation_batches(encoded: list[list[int]], limit: int, batch_tokens: int,
                         max_batch: int = 512) -> list[tuple[list[int], np.ndarray]]:
-  """Sentences to translate as length-sorted batches, each (its sentences' indices in `sentences`,
-  right-padded ids [rows, length] int32 ending in EOS), holding about `batch_tokens` source tokens.
+  """Sentences' ids (`encode_sentences`) as length-sorted batches to translate, each (its sentences'
+  indices in `encoded`, right-padded ids [rows, length] int32 ending in EOS), of about `batch_tokens`
+  source tokens.
 
   Sentences longer than `limit` tokens are cut to `limit` (plus EOS); empty ones are left out (they
   translate to empty lines). Rows and lengths are rounded up to multiples of 8: a few shapes, a few
   compilations; padding rows are all PAD_ID.
   """
-  encoded = [processor.encode(s)[:limit] + [EOS_ID] if s.strip() else [] for s in sentences]
+  encoded = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
   order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   groups, current, longest = [], [], 0
   for i in order:

@@ -159,16 +159,16 @@ def test_long_lines_are_counted_and_can_be_split(trained, tmp_path):
 
 
 def test_split_pieces_stay_within_the_limit():
-  from flax_transformer import evaluation
+  from flax_transformer import input_pipeline
 
   class Characters:  # a stand-in tokenizer: one token per character
     encode = staticmethod(lambda text: list(text))
 
   sentence = 'One two. Three four five! Six? Seven eight nine ten.'
-  pieces = evaluation.split_at_punctuation(Characters, sentence, 20)
+  pieces = input_pipeline.split_at_punctuation(Characters, sentence, 20)
   assert ' '.join(pieces) == sentence
   assert pieces == ['One two.', 'Three four five!', 'Six?', 'Seven eight nine ten.']
-  assert evaluation.split_at_punctuation(Characters, sentence, 100) == [sentence]
+  assert input_pipeline.split_at_punctuation(Characters, sentence, 100) == [sentence]
 
 
 def test_a_reference_of_another_length_is_refused_before_decoding(trained, tmp_path):
