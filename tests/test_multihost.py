@@ -12,7 +12,7 @@ import time
 import jax
 import pytest
 
-from docs import compare_runs
+from tools import compare_runs
 from flax_transformer import checkpointing, evaluation, input_pipeline, partitioning, steps, tokenizer
 from flax_transformer.model import TransformerConfig
 from tests.test_input_pipeline import write_corpus

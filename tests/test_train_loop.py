@@ -12,7 +12,7 @@ import jax
 import pytest
 import tensorflow_datasets as tfds
 
-from docs import compare_runs
+from tools import compare_runs
 from flax_transformer import checkpointing, train_loop
 from flax_transformer.errors import WorkdirError
 from tests.test_input_pipeline import write_corpus

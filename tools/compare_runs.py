@@ -1,6 +1,6 @@
 """Do two training runs agree? Compares the per-step losses and evaluations that each run logged.
 
-python docs/compare_runs.py --workdir=DIR_A --workdir=DIR_B
+python tools/compare_runs.py --workdir=DIR_A --workdir=DIR_B
 
 Reads <workdir>/train_metrics.jsonl (every step's loss, exactly, and every evaluation), compares the steps
 both runs logged, and prints how many match bitwise, the first that differs, and the last evaluation of

@@ -1,6 +1,6 @@
 """Training curves from a run's TensorBoard event files -> one PNG (train/eval loss, eval perplexity, eval BLEU).
 
-python docs/plot_curves.py --workdir=DIR [--workdir=DIR2 ...] --output=docs/multi30k_tok_curve.png
+python tools/plot_curves.py --workdir=DIR [--workdir=DIR2 ...] --output=docs/multi30k_tok_curve.png
 
 Reads <workdir>/tensorboard with TensorBoard's EventAccumulator (tf.summary writes scalars as tensors).
 The x axis is wall-clock minutes since the run's first logged step, and steps on a second figure row.
