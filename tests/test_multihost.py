@@ -19,7 +19,7 @@ from tests.test_input_pipeline import write_corpus
 from tests.test_partitioning import _free_port
 from tests.test_train_loop import ROOT, _env
 
-STEPS = 32
+STEPS = 24
 
 
 def _commands(workdir, corpus, extra=()):
@@ -29,9 +29,9 @@ def _commands(workdir, corpus, extra=()):
           f'--workdir={workdir}', '--config.dataset=files',
           f'--config.train_source={corpus}/train.src.gz', f'--config.train_target={corpus}/train.tgt.gz',
           f'--config.eval_source={corpus}/eval.src.gz', f'--config.eval_target={corpus}/eval.tgt.gz',
-          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=8', '--config.max_length=32',
+          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=4', '--config.max_length=32',
           '--config.eval_max_length=32', '--config.tokens_per_batch=512', '--config.gradient_accumulation_steps=2',
-          f'--config.num_train_steps={STEPS}', '--config.checkpoint_every_steps=8', '--config.eval_every_steps=16',
+          f'--config.num_train_steps={STEPS}', '--config.checkpoint_every_steps=8', '--config.eval_every_steps=12',
           '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=6', '--config.mesh_shape=(2,2,2)',
           '--config.num_processes=2', f'--config.coordinator_address=localhost:{port}', *extra]
   return [base + [f'--config.process_id={i}'] for i in (0, 1)]
