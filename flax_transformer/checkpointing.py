@@ -129,10 +129,17 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
   return state, None, None
 
 
+def _checkpoints_folder(directory: str) -> str:
+  """The absolute checkpoints/ folder of `directory` (a workdir or that folder): Orbax takes absolute paths."""
+  directory = os.path.abspath(directory)
+  if os.path.basename(directory) != CHECKPOINT_DIR:
+    directory = os.path.join(directory, CHECKPOINT_DIR)
+  return directory
+
+
 def available_steps(directory: str) -> list[int]:
   """Steps of the finished checkpoints under `directory` (a workdir or its checkpoints/ folder)."""
-  if os.path.basename(os.path.normpath(directory)) != CHECKPOINT_DIR:
-    directory = os.path.join(directory, CHECKPOINT_DIR)
+  directory = _checkpoints_folder(directory)
   if not tf.io.gfile.isdir(directory):
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))
@@ -144,8 +151,7 @@ def restore_params(directory: str, step: int, abstract_params, shardings=None):
   `abstract_params`: a tree of arrays or ShapeDtypeStructs giving shapes; `shardings` defaults to
   replication over all local devices.
   """
-  if os.path.basename(os.path.normpath(directory)) != CHECKPOINT_DIR:
-    directory = os.path.join(directory, CHECKPOINT_DIR)
+  directory = _checkpoints_folder(directory)
   if shardings is None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ('replica',))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -166,7 +172,7 @@ def average_params(params_list):
 
 def save_params(directory: str, step: int, params) -> None:
   """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model)."""
-  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True)) as manager:
+  with ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(create=True)) as manager:
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
     manager.wait_until_finished()
 

@@ -28,9 +28,9 @@ def trained(tmp_path_factory):
   return str(directory / 'work'), config
 
 
-def _translate(workdir, *flags, stdin=None):
+def _translate(workdir, *flags, stdin=None, cwd=None):
   return subprocess.run([sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags],
-                        env=_env(), capture_output=True, input=stdin, timeout=300)
+                        env=_env(), capture_output=True, input=stdin, timeout=300, cwd=cwd)
 
 
 def test_translates_in_order_with_empty_lines_and_bleu(trained, tmp_path):
@@ -105,13 +105,14 @@ def test_workdir_without_checkpoints_or_with_another_vocabulary(trained, tmp_pat
 
 
 def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
-  """train -> average -> translate -> BLEU; a second average into the same directory is refused, then
-  replaced with --overwrite."""
+  """train -> average -> translate -> BLEU, with workdirs given as relative paths as a user types them; a
+  second average into the same directory is refused, then replaced with --overwrite."""
   workdir, config = trained
   output = str(tmp_path / 'averaged')
+  relative = lambda path: os.path.relpath(path, tmp_path)  # the commands run in tmp_path
   average = lambda *flags: subprocess.run(
-      [sys.executable, '-m', 'flax_transformer.average', f'--workdir={workdir}', f'--output={output}', *flags],
-      env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+      [sys.executable, '-m', 'flax_transformer.average', f'--workdir={relative(workdir)}',
+       f'--output={relative(output)}', *flags], env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
   result = average()
   assert result.returncode == 0, result.stderr[-2000:]
   steps = checkpointing.available_steps(workdir)
@@ -121,7 +122,7 @@ def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
   source, reference = tmp_path / 'in.txt', tmp_path / 'ref.txt'
   source.write_text('the cat sat on the mat\nred house\n')
   reference.write_text('THE CAT SAT ON THE MAT\nHOUSE RED\n')
-  translated = _translate(output, f'--input={source}', f'--reference={reference}')
+  translated = _translate(relative(output), f'--input={source}', f'--reference={reference}', cwd=tmp_path)
   assert translated.returncode == 0, translated.stderr.decode()[-2000:]
   assert b'BLEU' in translated.stdout + translated.stderr
   assert len(translated.stdout.decode().splitlines()) >= 2
