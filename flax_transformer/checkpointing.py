@@ -172,7 +172,8 @@ def average_params(params_list):
 
 def save_params(directory: str, step: int, params) -> None:
   """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model)."""
-  with ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(create=True)) as manager:
+  options = ocp.CheckpointManagerOptions(create=True)
+  with ocp.CheckpointManager(os.path.abspath(directory), options=options) as manager:
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
     manager.wait_until_finished()
 

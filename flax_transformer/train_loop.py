@@ -198,16 +198,20 @@ class Run:
   dropout_rng: Any
   data_shards: int  # processes' row blocks of a batch (partitioning.data_shard)
 
+  @functools.cached_property
+  def batch_sharding(self):
+    return partitioning.batch_sharding(self.mesh)
+
   def to_global(self, batch):
     """This process's rows of a training batch -> the global batch."""
-    sharding = partitioning.batch_sharding(self.mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, v, (v.shape[0] * self.data_shards, *v.shape[1:]))
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v,
+                                                      (v.shape[0] * self.data_shards, *v.shape[1:]))
             for k, v in batch.items()}
 
   def eval_to_global(self, batch):
     """An evaluation batch every process holds whole -> a global array."""
-    sharding = partitioning.batch_sharding(self.mesh)
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in batch.items()}
+    return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda index, v=v: v[index])
+            for k, v in batch.items()}
 
 
 def _vocabulary(config, workdir: str, is_chief: bool):
@@ -241,7 +245,7 @@ def set_up(config, workdir: str, devices=None) -> Run:
   is_chief, workdir = jax.process_index() == 0, os.path.abspath(workdir)
   checkpointing.check_workdir(workdir, config)
   mesh = partitioning.create_mesh(config.mesh_shape, devices)
-  partitioning.check_model_fits_mesh(model_config, mesh)
+  partitioning.check_model_fits_mesh(model_config, mesh)  # before the vocabulary's minute, not after
   processor, vocab_path = _vocabulary(config, workdir, is_chief)
   if is_chief:
     checkpointing.write_config(workdir, config)
@@ -346,13 +350,14 @@ class Evaluator:
 
   def __init__(self, run: Run, log: MetricsLog):
     self.run, self.log = run, log
-    self.batches, self.sources, self.references = None, None, None  # built at the first evaluation
+    self.batches, self.sources, self.encoded, self.references = None, None, None, None  # built at the first evaluation
 
   def _translate(self, params, should_stop):
     config, run = self.run.config, self.run
     if self.sources is None:
       pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
+      self.encoded = input_pipeline.encode_sentences(run.processor, self.sources)
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
@@ -360,7 +365,7 @@ class Evaluator:
                                           beam_size=config.beam_size, alpha=config.length_penalty_alpha,
                                           max_extra_length=config.max_extra_length,
                                           batch_tokens=config.eval_tokens_per_batch, should_stop=should_stop,
-                                          top_k=config.beam_top_k)
+                                          top_k=config.beam_top_k, encoded=self.encoded)
 
   def __call__(self, step: int, params, stop) -> dict:
     """The metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
