@@ -190,32 +190,48 @@ def test_bfloat16_step_has_no_float32_dot_products(tiny_config, fused):
   assert len(float32_dot_products(f32_text)) == f32_text.count('stablehlo.dot_general') == total
 
 
+def _window_means(tiny_config, dtype: str, seeds, batches, steps=200, window=25) -> np.ndarray:
+  """[len(seeds), steps // window]: mean losses of each window of `steps` steps cycling over `batches`, one run
+  per dropout seed, all from the same initial parameters (one compilation for the dtype)."""
+  tiny_config.model.dtype = dtype
+  model_config = TransformerConfig.from_config(tiny_config)
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  initial, train_step = make_step(tiny_config, model_config, mesh)
+  curves = []
+  for seed in seeds:
+    state = jax.tree_util.tree_map(lambda x: x.copy(), initial)  # the step donates its state
+    losses = []
+    for i in range(steps):
+      state, metrics = train_step(state, batches[i % len(batches)], jax.random.key(seed, impl='rbg'))
+      losses.append(metrics['loss'])
+    curves.append(np.asarray(jax.device_get(losses)).reshape(steps // window, window).mean(axis=1))
+  return np.stack(curves)
+
+
 def test_bfloat16_training_tracks_float32(tiny_config):
-  """200 tiny-config steps (dropout on, the same 4 batches): bf16's loss curve stays as close to float32's as
-  float32's own curve with another dropout seed. Compared as means of 25-step windows: step by step, such
-  runs drift apart chaotically (a memorisation task; see test_first_loss_is_log_vocab_...)."""
+  """200 tiny-config steps (dropout on, the same 4 batches) from the same start, for 6 dropout seeds in each
+  format. Such runs drift apart chaotically (a memorisation task), so the bounds come from the seed spread
+  and bf16's precision, not from one machine's curve:
+  - in the first window, before the drift, bf16 stays within one bf16 rounding unit (2^-8) of float32;
+  - in every window, bf16 and float32 runs with the same seed differ on average by less than float32 runs
+    with different seeds do: rounding to bf16 moves the curve less than another dropout seed does."""
   tiny_config.warmup_steps = 30
   tiny_config.learning_rate_factor = 0.5
   tiny_config.model.vocab_size = 256
   rng = np.random.default_rng(0)
   batches = [random_batch(rng, 16, 10, 10, 256) for _ in range(4)]
-  curves = {}
-  for name, dtype, seed in (('float32', 'float32', 1), ('float32, other seed', 'float32', 2),
-                            ('bfloat16', 'bfloat16', 1)):
-    tiny_config.model.dtype = dtype
-    model_config = TransformerConfig.from_config(tiny_config)
-    mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-    state, train_step = make_step(tiny_config, model_config, mesh)
-    losses = []
-    for i in range(200):
-      state, metrics = train_step(state, batches[i % len(batches)], jax.random.key(seed, impl='rbg'))
-      losses.append(float(metrics['loss']))
-    curves[name] = np.array(losses).reshape(8, 25).mean(axis=1)
-    print(f'{name:>20}: ' + ' '.join(f'{x:.3f}' for x in curves[name]))
-  f32 = curves['float32']
-  bf16_gap = np.abs(curves['bfloat16'] - f32)
-  seed_gap = np.abs(curves['float32, other seed'] - f32)
-  print(f'largest window gap: bf16 {bf16_gap.max():.3f} ({(bf16_gap / f32).max():.1%}), '
-        f'other seed {seed_gap.max():.3f}')
-  assert f32[-1] < 0.5 * f32[0] and curves['bfloat16'][-1] < 0.5 * curves['bfloat16'][0]
-  assert (bf16_gap / f32).max() < 0.05 and bf16_gap.max() <= 1.5 * seed_gap.max()
+  seeds = (1, 2, 3, 4, 5, 6)
+  f32 = _window_means(tiny_config, 'float32', seeds, batches)  # [seeds, windows]
+  bf16 = _window_means(tiny_config, 'bfloat16', seeds, batches)
+  paired_gap = np.abs(bf16 - f32).mean(axis=0)  # same seed, other format
+  seed_gap = np.mean([np.abs(f32[i] - f32[j]) for i in range(len(seeds)) for j in range(i)], axis=0)
+  first_window_gap = np.abs(bf16[:, 0] / f32[:, 0] - 1).max()
+  for name, curves in (('float32', f32), ('bfloat16', bf16)):
+    print(f'{name:>8} window means over seeds: ' + ' '.join(f'{x:.3f}' for x in curves.mean(axis=0)))
+  print('same seed, bf16 vs float32:  ' + ' '.join(f'{x:.3f}' for x in paired_gap))
+  print('float32, seed vs other seed: ' + ' '.join(f'{x:.3f}' for x in seed_gap))
+  print(f'first window: largest relative bf16 gap {first_window_gap:.2e} (bf16 rounding unit {2**-8:.2e}); '
+        f'largest gap ratio {(paired_gap / seed_gap).max():.2f}')
+  assert (f32[:, -1] < 0.5 * f32[:, 0]).all() and (bf16[:, -1] < 0.5 * bf16[:, 0]).all()  # both learn
+  assert first_window_gap < 2**-8
+  assert (paired_gap < seed_gap).all()
