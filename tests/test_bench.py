@@ -4,14 +4,16 @@ import json
 import os
 import subprocess
 
-import jax
+import pytest
+
+from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_smoke_run():
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
-  env.pop('XLA_FLAGS', None)  # one device, as on the GPU machine
+  env = subprocess_env(None)  # one device, as on the GPU machine
   # One dtype keeps it to about a minute on 2 cores (each tiny step compiles in ~8 s, three times).
   result = subprocess.run(['bash', 'bench/gpu.sh', '--smoke', '--dtypes=bfloat16'], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=480)

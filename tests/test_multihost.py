@@ -1,4 +1,4 @@
-"""Two processes × 4 CPU devices through train.py, as on a two-host pod: several length buckets, strided
+"""Two processes × 4 CPU devices through train.py, as on a two-host pod: 3 length buckets, strided
 gradient accumulation, evaluation with BLEU, kill -9 and resume; one-process evaluation agrees."""
 
 import functools
@@ -17,9 +17,10 @@ from flax_transformer import checkpointing, evaluation, input_pipeline, partitio
 from flax_transformer.model import TransformerConfig
 from tests.test_input_pipeline import write_corpus
 from tests.test_partitioning import _free_port
-from tests.test_train_loop import ROOT, _env
+from tests.conftest import ROOT, subprocess_env
 
 STEPS = 24
+pytestmark = pytest.mark.slow  # each test starts train.py processes that compile every batch shape
 
 
 def _commands(workdir, corpus, extra=()):
@@ -29,7 +30,7 @@ def _commands(workdir, corpus, extra=()):
           f'--workdir={workdir}', '--config.dataset=files',
           f'--config.train_source={corpus}/train.src.gz', f'--config.train_target={corpus}/train.tgt.gz',
           f'--config.eval_source={corpus}/eval.src.gz', f'--config.eval_target={corpus}/eval.tgt.gz',
-          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=4', '--config.max_length=32',
+          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=3', '--config.max_length=32',
           '--config.eval_max_length=32', '--config.tokens_per_batch=512', '--config.gradient_accumulation_steps=2',
           f'--config.num_train_steps={STEPS}', '--config.checkpoint_every_steps=8', '--config.eval_every_steps=12',
           '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=6', '--config.mesh_shape=(2,2,2)',
@@ -38,7 +39,7 @@ def _commands(workdir, corpus, extra=()):
 
 
 def _env4():
-  return dict(_env(), XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  return subprocess_env(4)
 
 
 def _run(commands, kill_after_step=None, workdir=None):
@@ -82,7 +83,7 @@ def reference(corpus, tmp_path_factory):
 def test_two_hosts_resume_bitwise_after_kill(corpus, reference, tmp_path):
   expected_dir, outputs = reference
   killed = str(tmp_path / 'killed')
-  processes, outputs = _run(_commands(killed, corpus), kill_after_step=13, workdir=killed)
+  processes, outputs = _run(_commands(killed, corpus), kill_after_step=9, workdir=killed)  # after checkpoint 8, before the first evaluation
   assert processes[1].returncode == -signal.SIGKILL
   print('process 0 after process 1 was killed: exit status', processes[0].returncode)
   restored_from = checkpointing.available_steps(killed)[-1]
@@ -143,7 +144,7 @@ def test_resume_with_another_process_count_is_refused(corpus, reference, tmp_pat
   command = _commands(workdir, corpus, [f'--config.num_train_steps={STEPS + 8}'])[0]
   command = [a for a in command if not a.startswith(('--config.num_processes', '--config.coordinator_address',
                                                      '--config.process_id'))]
-  result = subprocess.run(command, env=dict(_env(), XLA_FLAGS='--xla_force_host_platform_device_count=8'),
+  result = subprocess.run(command, env=subprocess_env(8),
                           capture_output=True, text=True, timeout=300)
   errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
   assert result.returncode == 1 and len(errors) == 1, result.stderr[-2000:]

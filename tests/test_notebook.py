@@ -16,6 +16,7 @@ def test_notebook_is_paired_with_its_jupytext_script():
   assert [c.source for c in notebook.cells] == [c.source for c in script.cells]
 
 
+@pytest.mark.slow
 def test_quickstart_executes_and_draws(tmp_path, monkeypatch):
   from nbclient import NotebookClient
   if not os.path.exists(os.path.join(ROOT, '..', 'shared', 'data', 'multi30k', 'val.en.gz')):

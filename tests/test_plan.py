@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from configs import tiny
 from flax_transformer import plan
+from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ('param_bytes_per_device', 'optimizer_bytes_per_device', 'temp_bytes_per_device', 'flops_per_step',
@@ -17,8 +17,7 @@ KEYS = ('param_bytes_per_device', 'optimizer_bytes_per_device', 'temp_bytes_per_
 
 
 def run_plan(*flags):
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir)
-  env.pop('XLA_FLAGS', None)  # the plan creates its own fake devices
+  env = subprocess_env(None)  # the plan creates its own fake devices
   return subprocess.run([sys.executable, '-m', 'flax_transformer.plan', '--config=configs/tiny.py', *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -70,6 +69,7 @@ def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
   config.model.vocab_size = 16384
   config.max_length = 8
   config.tokens_per_batch = 64
+  config.model.scan_unroll = config.model.num_encoder_layers  # one compilation per mesh: memory and FLOPs alike
   config = plan.for_target(config, 'cpu')
   replicated = plan.total_bytes(plan.compile_step(config, (8, 1, 1)))
   sharded = plan.total_bytes(plan.compile_step(config, (1, 8, 1)))

@@ -15,9 +15,8 @@ import tensorflow_datasets as tfds
 from tools import compare_runs
 from flax_transformer import checkpointing, train_loop
 from flax_transformer.errors import WorkdirError
+from tests.conftest import ROOT, subprocess_env, train_command
 from tests.test_input_pipeline import write_corpus
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one_device():
@@ -81,20 +80,11 @@ def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
 
 
 def _train_command(workdir, corpus_dir, steps=8):
-  return [sys.executable, os.path.join(ROOT, 'train.py'), '--config', os.path.join(ROOT, 'configs/tiny.py'),
-          f'--workdir={workdir}', '--config.dataset=files',
-          f'--config.train_source={corpus_dir}/train.src.gz', f'--config.train_target={corpus_dir}/train.tgt.gz',
-          f'--config.eval_source={corpus_dir}/eval.src.gz', f'--config.eval_target={corpus_dir}/eval.tgt.gz',
-          '--config.num_bucket_boundaries=1', '--config.max_length=16', '--config.eval_max_length=16',
-          f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=3', '--config.eval_every_steps=100',
-          '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=0', '--config.mesh_shape=(1,1,1)']
+  return train_command(workdir, corpus_dir, steps)
 
 
 def _env():
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='--xla_force_host_platform_device_count=1',
-             JAX_COMPILATION_CACHE_DIR=os.environ.get('JAX_TEST_CACHE_DIR', '/tmp/flax_transformer_jax_cache'),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0.5')
-  return env
+  return subprocess_env()
 
 
 def _run_until(command, workdir, step, sig, wait_for_checkpoint=False):
@@ -119,10 +109,10 @@ def corpus(tmp_path_factory):
   return str(directory)
 
 
-def test_exact_resume_after_sigkill(corpus, tmp_path):
-  reference = str(tmp_path / 'reference')
-  steps = 40
-  subprocess.run(_train_command(reference, corpus, steps), env=_env(), check=True, capture_output=True, timeout=600)
+@pytest.mark.slow
+def test_exact_resume_after_sigkill(trained_run, tmp_path):
+  reference, corpus = trained_run  # 9 uninterrupted steps
+  steps = 9
   killed = str(tmp_path / 'killed')
   code, _ = _run_until(_train_command(killed, corpus, steps), killed, 5, signal.SIGKILL, wait_for_checkpoint=True)
   assert code == -signal.SIGKILL
@@ -137,17 +127,9 @@ def test_exact_resume_after_sigkill(corpus, tmp_path):
     assert resumed[step] == expected[step], (step, resumed[step], expected[step])
 
 
-def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
-  workdir = str(tmp_path / 'term')
-  code, output = _run_until(_train_command(workdir, corpus, steps=50), workdir, 4, signal.SIGTERM)
-  assert code == 0, output[-2000:]
-  saved = checkpointing.available_steps(workdir)
-  assert f'SIGTERM received: checkpoint saved at step {saved[-1]}' in output
-  assert 4 <= saved[-1] < 50
-
-
-def test_sigterm_during_evaluation_abandons_it(corpus, tmp_path):
-  # The signal is sent as step 4's line appears, i.e. as step 4's evaluation (loss, then BLEU) starts.
+def test_sigterm_saves_exits_zero_and_abandons_an_evaluation(corpus, tmp_path):
+  # The signal is sent as step 4's line appears, i.e. as step 4's evaluation (loss, then BLEU) starts: the
+  # evaluation is abandoned, the checkpoint of step 4 saved, and the run exits 0.
   workdir = str(tmp_path / 'term_eval')
   command = _train_command(workdir, corpus, steps=50) + ['--config.eval_every_steps=4',
                                                           '--config.num_eval_bleu_sentences=4']
@@ -168,10 +150,16 @@ def _two_process_commands(workdir, corpus, steps, script=os.path.join(ROOT, 'tra
                   f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
 
 
-def test_sigterm_to_one_process_stops_every_process_at_the_same_step(corpus, tmp_path):
+@pytest.mark.slow
+def test_two_processes_wait_for_a_slow_vocabulary_and_stop_together_on_sigterm(corpus, tmp_path):
+  """One two-process run, two behaviours: process 0 takes 40 s longer to train the vocabulary while process 1
+  waits for it (on CPU a device collective would give up after 30 s); then SIGTERM to process 1 alone stops
+  both processes at the same step, with one checkpoint saved there."""
   workdir = str(tmp_path / 'two')
-  commands = [c + ['--config.checkpoint_every_steps=1000'] for c in _two_process_commands(workdir, corpus, 2000)]
-  chief, other = (subprocess.Popen(c, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  commands = [c + ['--config.checkpoint_every_steps=1000'] for c in _two_process_commands(
+      workdir, corpus, 2000, script=os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py'))]
+  env = dict(_env(), SLOW_VOCABULARY_SECONDS='40')
+  chief, other = (subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for c in commands)
   for line in chief.stdout:
     if line.startswith('step 3/'):
@@ -271,18 +259,6 @@ def test_compare_runs_finds_the_first_differing_step(tmp_path):
   assert other['differing_steps'] == [4] and other['differing_evaluations'] == [6]
 
 
-def test_other_processes_wait_for_a_slow_vocabulary(corpus, tmp_path):
-  # Process 0 trains the vocabulary while process 1 waits; on CPU a collective would give up after 30 s.
-  workdir = str(tmp_path / 'slow')
-  commands = _two_process_commands(workdir, corpus, 2, script=os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py'))
-  env = dict(_env(), SLOW_VOCABULARY_SECONDS='40')
-  processes = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for c in commands]
-  outputs = [p.communicate(timeout=300)[0] for p in processes]
-  assert [p.returncode for p in processes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
-  assert checkpointing.available_steps(workdir) == [2]
-
-
 def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
   """A write that fails inside Orbax's save (here: the data-state item, as a full disk would) is reported
   at that save in one line, the process exits 1 at once, and no step without its data state appears."""
@@ -310,14 +286,6 @@ def _step_losses(workdir):
   return losses
 
 
-@pytest.fixture(scope='module')
-def nine_step_run(corpus, tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp('nine') / 'run')
-  subprocess.run(_train_command(workdir, corpus, 9), env=_env(), check=True, capture_output=True, timeout=600)
-  assert checkpointing.available_steps(workdir) == [3, 6, 9]
-  return workdir
-
-
 def _truncate_largest_array_file(checkpoint):
   files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(checkpoint, 'params')) for f in names
            if f'{os.sep}d{os.sep}' in os.path.join(d, f) or os.path.basename(d) == 'd']
@@ -338,7 +306,8 @@ def _truncate_data_state(checkpoint):
 
 @pytest.mark.parametrize('damage', [_truncate_largest_array_file, _remove_params, _truncate_data_state])
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
-    nine_step_run, corpus, tmp_path, damage):
+    trained_run, tmp_path, damage):
+  nine_step_run, corpus = trained_run
   workdir = str(tmp_path / 'run')
   shutil.copytree(nine_step_run, workdir)
   damage(os.path.join(workdir, 'checkpoints', '9'))
@@ -354,7 +323,8 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_o
   assert [resumed[s] for s in (7, 8, 9)] == [reference[s] for s in (7, 8, 9)]  # bitwise, as if killed after 6
 
 
-def test_a_damaged_config_file_is_a_one_line_error(nine_step_run, corpus, tmp_path):
+def test_a_damaged_config_file_is_a_one_line_error(trained_run, tmp_path):
+  nine_step_run, corpus = trained_run
   workdir = str(tmp_path / 'run')
   shutil.copytree(nine_step_run, workdir)
   path = os.path.join(workdir, 'config.json')

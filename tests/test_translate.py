@@ -7,25 +7,15 @@ import sys
 
 import pytest
 
-from flax_transformer import checkpointing, train_loop
-from tests.test_train_loop import ROOT, _env, small_run
+from flax_transformer import checkpointing
+from tests.conftest import ROOT, subprocess_env as _env
 
 
-
-@pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-  from configs import tiny
-  directory = tmp_path_factory.mktemp('translate')
-  config = small_run(tiny.get_config(), directory)
-  config.num_eval_bleu_sentences = 0
-  import jax
-  original = jax.devices
-  jax.devices = lambda *a: jax.local_devices()[:1]
-  try:
-    train_loop.train_and_evaluate(config, str(directory / 'work'))
-  finally:
-    jax.devices = original
-  return str(directory / 'work'), config
+@pytest.fixture
+def trained(trained_run):
+  """The suite's shared 9-step tiny run (checkpoints 3, 6, 9) and the config it saved."""
+  workdir, _ = trained_run
+  return workdir, checkpointing.read_config(workdir)
 
 
 def _translate(workdir, *flags, stdin=None, cwd=None):
