@@ -1,6 +1,6 @@
 """Mutation check: each one-line departure from the paper must make at least one test fail.
 
-python tools/mutation_check.py [--only=SUBSTRING] [--list]
+python tools/mutation_check.py [--only=SUBSTRING] [--list] [--workers=2]
 
 Copies the tracked files to a temporary directory, applies one mutation at a time (an exact, unique
 one-line replacement), runs the tests that guard it, and prints caught / total and every survivor.
@@ -9,7 +9,9 @@ or average.
 """
 
 import argparse
+import concurrent.futures
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -119,22 +121,36 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='', help='Run the mutations whose name contains this.')
   parser.add_argument('--list', action='store_true', help='List the mutations and exit.')
+  parser.add_argument('--workers', type=int, default=2,
+                      help='Mutations tested at once, each in its own copy (compilation runs on one core).')
   args = parser.parse_args()
   chosen = [m for m in MUTATIONS if args.only in m[0]]
   if args.list:
     print('\n'.join(f'{m[0]}  [{m[1]}]' for m in chosen))
     return 0
-  with tempfile.TemporaryDirectory() as copy:
-    for name in tracked_files():
-      os.makedirs(os.path.dirname(os.path.join(copy, name)), exist_ok=True)
-      shutil.copy2(os.path.join(ROOT, name), os.path.join(copy, name))
+  with tempfile.TemporaryDirectory() as root:
+    copies = queue.Queue()  # one copy of the repository per worker: a worker mutates only its own
+    for worker in range(args.workers):
+      copy = os.path.join(root, str(worker))
+      for name in tracked_files():
+        os.makedirs(os.path.dirname(os.path.join(copy, name)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), os.path.join(copy, name))
+      copies.put(copy)
+
+    def run(mutation):
+      copy = copies.get()
+      try:
+        return run_mutation(copy, mutation)
+      finally:
+        copies.put(copy)
+
     survivors = []
     print('| mutation | caught | seconds |\n|---|---|---|', flush=True)
-    for mutation in chosen:
-      caught, seconds = run_mutation(copy, mutation)
-      print(f'| {mutation[0]} | {"yes" if caught else "**no**"} | {seconds:.0f} |', flush=True)
-      if not caught:
-        survivors.append(mutation[0])
+    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+      for mutation, (caught, seconds) in zip(chosen, pool.map(run, chosen)):
+        print(f'| {mutation[0]} | {"yes" if caught else "**no**"} | {seconds:.0f} |', flush=True)
+        if not caught:
+          survivors.append(mutation[0])
   print(f'caught {len(chosen) - len(survivors)} / {len(chosen)}; survivors: {", ".join(survivors) or "none"}')
   return 1 if survivors else 0
 
