@@ -108,10 +108,14 @@ def subprocess_env(devices=1):
   return dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=count + COMPILE_FLAGS)
 
 
+TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4',)
+
+
 @pytest.fixture(scope='session')
 def trained_run(tmp_path_factory):
-  """(workdir, corpus directory) of one 9-step train.py run (checkpoints 3, 6, 9; one loss a step), built
-  once per pytest run and shared by every worker; tests copy the workdir before they change it."""
+  """(workdir, corpus directory) of one 12-step train.py run (train_command(..., TRAINED_STEPS, *TRAINED_FLAGS):
+  checkpoints 3, 6, 9, 12; one loss a step), built once per pytest run and shared by every worker; tests copy
+  the workdir before they change it."""
   from tests.test_input_pipeline import write_corpus
   with _once_per_run(tmp_path_factory, 'trained_run') as (directory, build):
     corpus, workdir = directory / 'corpus', directory / 'work'
@@ -119,6 +123,6 @@ def trained_run(tmp_path_factory):
       corpus.mkdir(parents=True, exist_ok=True)
       write_corpus(str(corpus), 200, 0, 'train')
       write_corpus(str(corpus), 10, 1, 'eval')
-      subprocess.run(train_command(workdir, corpus), env=subprocess_env(), check=True, capture_output=True,
-                     timeout=600)
+      subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=subprocess_env(),
+                     check=True, capture_output=True, timeout=600)
   return str(workdir), str(corpus)

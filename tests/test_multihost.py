@@ -20,7 +20,8 @@ from tests.test_partitioning import _free_port
 from tests.conftest import ROOT, subprocess_env
 
 STEPS = 24
-pytestmark = pytest.mark.slow  # each test starts train.py processes that compile every batch shape
+# Each test starts train.py processes that compile every batch shape; the module's tests share one reference run.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('two_hosts')]
 
 
 def _commands(workdir, corpus, extra=()):

@@ -22,6 +22,7 @@ def run_plan(*flags):
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_plan_of_the_tiny_config():
   result = run_plan('--devices=4', "--mesh=(2,2,1)", '--peak_tflops=1', '--mfu=0.5', '--device_memory_gb=16')
   assert result.returncode == 0, result.stderr[-2000:]
@@ -44,6 +45,7 @@ def test_plan_of_the_tiny_config():
   assert figures['rows'] == 256 // 32 and figures['source_length'] == figures['target_length'] == 32
 
 
+@pytest.mark.slow
 def test_a_mesh_that_does_not_match_the_devices_is_a_one_line_error():
   result = run_plan('--devices=4', "--mesh=(2,4,1)")
   assert result.returncode == 1
@@ -62,6 +64,7 @@ def test_analytic_flops_match_a_hand_count():
   assert plan.analytic_flops(config, 1, 5, 7) == dense + attention
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
   """Parameters that dominate memory (a large vocabulary, short sentences): data parallelism replicates
   them on every device, FSDP splits them 8 ways; a memory limit between the two picks FSDP."""

@@ -208,6 +208,7 @@ def _window_means(tiny_config, dtype: str, seeds, batches, steps=200, window=25)
   return np.stack(curves)
 
 
+@pytest.mark.slow
 def test_bfloat16_training_tracks_float32(tiny_config):
   """200 tiny-config steps (dropout on, the same 4 batches) from the same start, for 6 dropout seeds in each
   format. Such runs drift apart chaotically (a memorisation task), so the bounds come from the seed spread

@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 from tools import compare_runs
 from flax_transformer import checkpointing, train_loop
 from flax_transformer.errors import WorkdirError
-from tests.conftest import ROOT, subprocess_env, train_command
+from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, subprocess_env, train_command
 from tests.test_input_pipeline import write_corpus
 
 
@@ -111,15 +111,14 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.slow
 def test_exact_resume_after_sigkill(trained_run, tmp_path):
-  reference, corpus = trained_run  # 9 uninterrupted steps
-  steps = 9
+  reference, corpus = trained_run  # uninterrupted
+  steps, command = TRAINED_STEPS, lambda workdir: train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS)
   killed = str(tmp_path / 'killed')
-  code, _ = _run_until(_train_command(killed, corpus, steps), killed, 5, signal.SIGKILL, wait_for_checkpoint=True)
+  code, _ = _run_until(command(killed), killed, 5, signal.SIGKILL, wait_for_checkpoint=True)
   assert code == -signal.SIGKILL
   restored_from = checkpointing.available_steps(killed)[-1]
   assert 3 <= restored_from < steps
-  result = subprocess.run(_train_command(killed, corpus, steps), env=_env(), check=True, capture_output=True,
-                          text=True, timeout=600)
+  result = subprocess.run(command(killed), env=_env(), check=True, capture_output=True, text=True, timeout=600)
   assert f'resumed from step {restored_from}' in result.stdout
   expected, resumed = compare_runs.read_run(reference)[0], compare_runs.read_run(killed)[0]
   assert sorted(expected) == list(range(1, steps + 1))
@@ -127,6 +126,7 @@ def test_exact_resume_after_sigkill(trained_run, tmp_path):
     assert resumed[step] == expected[step], (step, resumed[step], expected[step])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_abandons_an_evaluation(corpus, tmp_path):
   # The signal is sent as step 4's line appears, i.e. as step 4's evaluation (loss, then BLEU) starts: the
   # evaluation is abandoned, the checkpoint of step 4 saved, and the run exits 0.
@@ -173,6 +173,7 @@ def test_two_processes_wait_for_a_slow_vocabulary_and_stop_together_on_sigterm(c
   assert checkpointing.available_steps(workdir) == saved
 
 
+@pytest.mark.slow
 def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   unwritable = tmp_path / 'ro'
   unwritable.mkdir()
@@ -259,6 +260,7 @@ def test_compare_runs_finds_the_first_differing_step(tmp_path):
   assert other['differing_steps'] == [4] and other['differing_evaluations'] == [6]
 
 
+@pytest.mark.slow
 def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
   """A write that fails inside Orbax's save (here: the data-state item, as a full disk would) is reported
   at that save in one line, the process exits 1 at once, and no step without its data state appears."""
@@ -304,38 +306,44 @@ def _truncate_data_state(checkpoint):
     f.truncate(os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize('damage', [_truncate_largest_array_file, _remove_params, _truncate_data_state])
-def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
-    trained_run, tmp_path, damage):
-  nine_step_run, corpus = trained_run
+@pytest.mark.slow
+def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_the_newest_intact_one(trained_run, tmp_path):
+  """Three kinds of damage, one to each of the newest three checkpoints (an array file cut short, the
+  parameters gone, the data-iterator state cut short): each is named, renamed to .corrupt and kept, and the
+  run resumes from checkpoint 3 bitwise, as if it had been killed after step 3."""
+  reference_run, corpus = trained_run  # checkpoints 3, 6, 9, 12
   workdir = str(tmp_path / 'run')
-  shutil.copytree(nine_step_run, workdir)
-  damage(os.path.join(workdir, 'checkpoints', '9'))
-  result = subprocess.run(_train_command(workdir, corpus, 9), env=_env(), capture_output=True, text=True,
-                          timeout=300)
+  shutil.copytree(reference_run, workdir)
+  damages = {12: _truncate_largest_array_file, 9: _remove_params, 6: _truncate_data_state}
+  for step, damage in damages.items():
+    damage(os.path.join(workdir, 'checkpoints', str(step)))
+  result = subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=_env(),
+                          capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
-  notice = [line for line in result.stdout.splitlines() if line.startswith('checkpoint 9 cannot be restored')]
-  assert len(notice) == 1 and notice[0].endswith('.corrupt, trying the one before'), result.stdout
-  assert 'resumed from step 6' in result.stdout
-  assert os.path.isdir(os.path.join(workdir, 'checkpoints', '9.corrupt'))  # kept for inspection
-  assert checkpointing.available_steps(workdir) == [3, 6, 9]  # 9 written anew
-  reference, resumed = _step_losses(nine_step_run), _step_losses(workdir)
-  assert [resumed[s] for s in (7, 8, 9)] == [reference[s] for s in (7, 8, 9)]  # bitwise, as if killed after 6
+  for step in damages:
+    notice = [line for line in result.stdout.splitlines() if line.startswith(f'checkpoint {step} cannot be restored')]
+    assert len(notice) == 1 and notice[0].endswith('.corrupt, trying the one before'), result.stdout
+    assert os.path.isdir(os.path.join(workdir, 'checkpoints', f'{step}.corrupt'))  # kept for inspection
+  assert 'resumed from step 3' in result.stdout
+  assert checkpointing.available_steps(workdir) == [3, 6, 9, 12]  # 6, 9 and 12 written anew
+  reference, resumed = _step_losses(reference_run), _step_losses(workdir)
+  assert [resumed[s] for s in range(4, 13)] == [reference[s] for s in range(4, 13)]  # bitwise
 
 
+@pytest.mark.slow
 def test_a_damaged_config_file_is_a_one_line_error(trained_run, tmp_path):
-  nine_step_run, corpus = trained_run
+  reference_run, corpus = trained_run
   workdir = str(tmp_path / 'run')
-  shutil.copytree(nine_step_run, workdir)
+  shutil.copytree(reference_run, workdir)
   path = os.path.join(workdir, 'config.json')
   with open(path, 'r+b') as f:
     f.truncate(os.path.getsize(path) // 2)
-  result = subprocess.run(_train_command(workdir, corpus, 9), env=_env(), capture_output=True, text=True,
-                          timeout=300)
+  result = subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=_env(),
+                          capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
   assert len(errors) == 1 and errors[0].startswith(f'error: {path} is damaged'), result.stderr[-1000:]
-  assert checkpointing.available_steps(workdir) == [3, 6, 9]
+  assert checkpointing.available_steps(workdir) == [3, 6, 9, 12]
 
 
 def test_a_learning_rate_far_too_large_stops_the_run(tiny_config, tmp_path):

@@ -13,7 +13,7 @@ from tests.conftest import ROOT, subprocess_env as _env
 
 @pytest.fixture
 def trained(trained_run):
-  """The suite's shared 9-step tiny run (checkpoints 3, 6, 9) and the config it saved."""
+  """The suite's shared 12-step tiny run (checkpoints 3, 6, 9, 12) and the config it saved."""
   workdir, _ = trained_run
   return workdir, checkpointing.read_config(workdir)
 
@@ -23,6 +23,7 @@ def _translate(workdir, *flags, stdin=None, cwd=None):
                         env=_env(), capture_output=True, input=stdin, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_translates_in_order_with_empty_lines_and_bleu(trained, tmp_path):
   workdir, config = trained
   lines = ['the cat sat on the mat', '', 'a dog runs ' * 40, 'red house']
@@ -39,6 +40,7 @@ def test_translates_in_order_with_empty_lines_and_bleu(trained, tmp_path):
   assert translations[1] == ''  # an empty line translates to an empty line
 
 
+@pytest.mark.slow
 def test_translations_come_back_in_input_order(trained):
   """Sentences are batched by length; each translation must still land on its own line (compared with
   translating each line alone). Random untied weights give varied translations, so a reordering shows."""
@@ -71,6 +73,7 @@ def test_translations_come_back_in_input_order(trained):
     (['--input=-'], b'ok\n\xff\n', 'standard input: line 2 is not valid UTF-8'),
     (['--input=-', '--step=999'], b'x\n', 'no checkpoint at step 999'),
 ])
+@pytest.mark.slow
 def test_bad_input_is_a_one_line_error(trained, flags, stdin, message):
   workdir, _ = trained
   result = _translate(workdir, *flags, stdin=stdin)
@@ -78,6 +81,7 @@ def test_bad_input_is_a_one_line_error(trained, flags, stdin, message):
   assert result.returncode == 1 and len(errors) == 1 and message in errors[0], result.stderr.decode()[-1500:]
 
 
+@pytest.mark.slow
 def test_workdir_without_checkpoints_or_with_another_vocabulary(trained, tmp_path):
   workdir, _ = trained
   empty = tmp_path / 'empty'
@@ -94,6 +98,7 @@ def test_workdir_without_checkpoints_or_with_another_vocabulary(trained, tmp_pat
   assert result.returncode == 1 and b'has 64 pieces but config.model.vocab_size=65' in result.stderr
 
 
+@pytest.mark.slow
 def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
   """train -> average -> translate -> BLEU, with workdirs given as relative paths as a user types them; a
   second average into the same directory is refused, then replaced with --overwrite."""
@@ -127,6 +132,7 @@ def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
   assert checkpointing.available_steps(output) == [steps[-1]]
 
 
+@pytest.mark.slow
 def test_long_lines_are_counted_and_can_be_split(trained, tmp_path):
   """A line past the model's 127 source tokens is named in a warning; --split_long translates it in pieces
   cut after sentence punctuation (each within the limit) and joins their translations on its line."""
@@ -162,6 +168,7 @@ def test_split_pieces_stay_within_the_limit():
   assert input_pipeline.split_at_punctuation(Characters, sentence, 100) == [sentence]
 
 
+@pytest.mark.slow
 def test_a_reference_of_another_length_is_refused_before_decoding(trained, tmp_path):
   workdir, _ = trained
   source, reference, output = tmp_path / 'in.txt', tmp_path / 'ref.txt', tmp_path / 'out.txt'
