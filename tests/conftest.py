@@ -38,9 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(items):
-  """The slow (multi-process, end-to-end) tests first, in file order, so that under pytest-xdist the longest
-  ones start at once instead of at the end of a worker's queue. Every worker sorts the same way."""
-  items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+  """Under pytest-xdist, the slow tests first, in file order, so that the longest start at once instead of at
+  the end of a worker's queue (every worker sorts the same way). A plain run keeps file order, so -x stops at
+  the first failing test of the files named, as tools/mutation_check.py expects."""
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    items.sort(key=lambda item: item.get_closest_marker('slow') is None)
 
 
 @pytest.fixture
