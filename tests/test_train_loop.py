@@ -79,17 +79,9 @@ def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
   assert os.path.exists(str(tmp_path / 'wmt' / 'sentencepiece.model'))
 
 
-def _train_command(workdir, corpus_dir, steps=8):
-  return train_command(workdir, corpus_dir, steps)
-
-
-def _env():
-  return subprocess_env()
-
-
 def _run_until(command, workdir, step, sig, wait_for_checkpoint=False):
   """Starts training and sends `sig` once step `step` has been logged (and a checkpoint is on disk)."""
-  process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   for line in process.stdout:
     if line.startswith(f'step {step}/'):
       deadline = time.time() + 60
@@ -118,7 +110,7 @@ def test_exact_resume_after_sigkill(trained_run, tmp_path):
   assert code == -signal.SIGKILL
   restored_from = checkpointing.available_steps(killed)[-1]
   assert 3 <= restored_from < steps
-  result = subprocess.run(command(killed), env=_env(), check=True, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(command(killed), env=subprocess_env(), check=True, capture_output=True, text=True, timeout=600)
   assert f'resumed from step {restored_from}' in result.stdout
   expected, resumed = compare_runs.read_run(reference)[0], compare_runs.read_run(killed)[0]
   assert sorted(expected) == list(range(1, steps + 1))
@@ -131,7 +123,7 @@ def test_sigterm_saves_exits_zero_and_abandons_an_evaluation(corpus, tmp_path):
   # The signal is sent as step 4's line appears, i.e. as step 4's evaluation (loss, then BLEU) starts: the
   # evaluation is abandoned, the checkpoint of step 4 saved, and the run exits 0.
   workdir = str(tmp_path / 'term_eval')
-  command = _train_command(workdir, corpus, steps=50) + ['--config.eval_every_steps=4',
+  command = train_command(workdir, corpus, steps=50) + ['--config.eval_every_steps=4',
                                                           '--config.num_eval_bleu_sentences=4']
   code, output = _run_until(command, workdir, 4, signal.SIGTERM)
   assert code == 0, output[-2000:]
@@ -144,7 +136,7 @@ def _two_process_commands(workdir, corpus, steps, script=os.path.join(ROOT, 'tra
   """The commands of processes 0 and 1 of one run on localhost, one CPU device each."""
   from tests.test_partitioning import _free_port
   port = _free_port()
-  base = [a for a in _train_command(workdir, corpus, steps) if not a.startswith('--config.mesh_shape=')]
+  base = [a for a in train_command(workdir, corpus, steps) if not a.startswith('--config.mesh_shape=')]
   base[1] = script
   return [base + ['--config.mesh_shape=(2,1,1)', '--config.num_processes=2',
                   f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
@@ -158,7 +150,7 @@ def test_two_processes_wait_for_a_slow_vocabulary_and_stop_together_on_sigterm(c
   workdir = str(tmp_path / 'two')
   commands = [c + ['--config.checkpoint_every_steps=1000'] for c in _two_process_commands(
       workdir, corpus, 2000, script=os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py'))]
-  env = dict(_env(), SLOW_VOCABULARY_SECONDS='40')
+  env = dict(subprocess_env(), SLOW_VOCABULARY_SECONDS='40')
   chief, other = (subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for c in commands)
   for line in chief.stdout:
@@ -181,12 +173,12 @@ def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   blocker = tmp_path / 'file'
   blocker.write_text('not a directory')
   for workdir, message in ((str(blocker / 'sub'), 'is not writable'),):
-    result = subprocess.run(_train_command(workdir, corpus), env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(train_command(workdir, corpus), env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
     assert len(errors) == 1 and message in errors[0]
-  result = subprocess.run(_train_command(str(tmp_path / 'w'), corpus) + ['--config.train_source=/nonexistent.gz'],
-                          env=_env(), capture_output=True, text=True, timeout=300)
+  result = subprocess.run(train_command(str(tmp_path / 'w'), corpus) + ['--config.train_source=/nonexistent.gz'],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert result.returncode == 1 and ('error: config.train_source=/nonexistent.gz does not exist; set the path '
                                     '(--config.train_source=PATH); for Multi30k, python tools/get_multi30k.py') in result.stderr
 
@@ -265,10 +257,10 @@ def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
   """A write that fails inside Orbax's save (here: the data-state item, as a full disk would) is reported
   at that save in one line, the process exits 1 at once, and no step without its data state appears."""
   workdir = str(tmp_path / 'full')
-  command = [sys.executable, os.path.join(ROOT, 'tests', 'save_failure_worker.py')] + _train_command(
+  command = [sys.executable, os.path.join(ROOT, 'tests', 'save_failure_worker.py')] + train_command(
       workdir, corpus, 9)[2:]
   start = time.time()
-  result = subprocess.run(command, env=dict(_env(), FAIL_FROM_STEP='6'), capture_output=True, text=True,
+  result = subprocess.run(command, env=dict(subprocess_env(), FAIL_FROM_STEP='6'), capture_output=True, text=True,
                           timeout=240)
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1].startswith(
@@ -317,7 +309,7 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_the_newest_i
   damages = {12: _truncate_largest_array_file, 9: _remove_params, 6: _truncate_data_state}
   for step, damage in damages.items():
     damage(os.path.join(workdir, 'checkpoints', str(step)))
-  result = subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=_env(),
+  result = subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   for step in damages:
@@ -338,7 +330,7 @@ def test_a_damaged_config_file_is_a_one_line_error(trained_run, tmp_path):
   path = os.path.join(workdir, 'config.json')
   with open(path, 'r+b') as f:
     f.truncate(os.path.getsize(path) // 2)
-  result = subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=_env(),
+  result = subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   errors = [line for line in result.stderr.splitlines() if line.startswith('error: ')]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flax_transformer import checkpointing
-from tests.conftest import ROOT, subprocess_env as _env
+from tests.conftest import ROOT, subprocess_env
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def trained(trained_run):
 
 def _translate(workdir, *flags, stdin=None, cwd=None):
   return subprocess.run([sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags],
-                        env=_env(), capture_output=True, input=stdin, timeout=300, cwd=cwd)
+                        env=subprocess_env(), capture_output=True, input=stdin, timeout=300, cwd=cwd)
 
 
 @pytest.mark.slow
@@ -107,7 +107,7 @@ def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
   relative = lambda path: os.path.relpath(path, tmp_path)  # the commands run in tmp_path
   average = lambda *flags: subprocess.run(
       [sys.executable, '-m', 'flax_transformer.average', f'--workdir={relative(workdir)}',
-       f'--output={relative(output)}', *flags], env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+       f'--output={relative(output)}', *flags], env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
   result = average()
   assert result.returncode == 0, result.stderr[-2000:]
   steps = checkpointing.available_steps(workdir)
