@@ -60,6 +60,9 @@ def run(f) -> None:
   import flax.linen as nn
   from flax_transformer import partitioning
 
+  from flax_transformer import storage
+  if f.output != '-':  # before anything is loaded or compiled
+    storage.check_writable(storage.path(f.output).parent, 'the folder of --output', 'choose another --output')
   config = checkpointing.read_config(f.workdir)
   model_config = TransformerConfig.from_config(config)
   vocab_path = config.vocab_path or f'{f.workdir}/{tokenizer.VOCAB_FILENAME}'
@@ -112,9 +115,8 @@ def run(f) -> None:
   if f.output == '-':
     sys.stdout.write(text)
   else:
-    opener = gzip.open if f.output.endswith('.gz') else open
-    with opener(f.output, 'wt', encoding='utf-8') as out:
-      out.write(text)
+    data = text.encode('utf-8')
+    storage.write_atomic(f.output, gzip.compress(data) if f.output.endswith('.gz') else data)
   if references is not None:
     tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')
     score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)

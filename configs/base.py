@@ -88,8 +88,10 @@ def get_config() -> ml_collections.ConfigDict:
   # --- Devices ---
   config.platform = ''  # '' runs on whatever JAX finds; 'gpu' or 'tpu' refuses to start anywhere else.
   config.mesh_shape = (-1, 1, 1)  # (data, fsdp, model); -1 takes the remaining devices.
-  # Multi-process runs: TPU pods and SLURM are detected from the environment; elsewhere set all three.
+  # Multi-process runs: TPU VMs, GKE, SLURM and Open MPI are detected from the environment; elsewhere set all three.
   config.coordinator_address = ''  # host:port of process 0, e.g. '10.0.0.1:1234'.
   config.num_processes = 1
   config.process_id = 0
+  config.heartbeat_timeout_seconds = 30  # a process silent this long is dead: every other one stops, naming it.
+  config.shutdown_timeout_seconds = 60  # how long an exiting process waits for the others at the end.
   return config

@@ -5,8 +5,6 @@ OUT, laid out as a workdir that translate.py reads directly (python translate.py
 config.json (with average_last=1), its vocabulary, and checkpoints/<last step>/params.
 """
 
-import os
-import shutil
 import sys
 
 if __name__ == '__main__':  # before anything imports TensorFlow
@@ -16,7 +14,7 @@ if __name__ == '__main__':  # before anything imports TensorFlow
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from flax_transformer import checkpointing, partitioning, tokenizer  # noqa: E402
+from flax_transformer import checkpointing, partitioning, storage, tokenizer  # noqa: E402
 from flax_transformer.errors import UserError, WorkdirError  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
 
@@ -44,15 +42,15 @@ def write_averaged_workdir(workdir: str, output: str, count: int | None = None, 
   """Averages the last `count` checkpoints of `workdir` into the workdir `output`; returns the steps averaged."""
   config = checkpointing.read_config(workdir)
   count = config.average_last if count is None else count
-  output = os.path.abspath(output)
-  if os.path.isdir(output) and os.listdir(output):
+  output = storage.path(output)
+  if output.is_dir() and any(output.iterdir()):
     if not overwrite:
       raise WorkdirError(f'{output} is not empty; choose a new --output or pass --overwrite to replace it')
-    shutil.rmtree(output)
+    output.rmtree()
   params, chosen = averaged_params(workdir, count, TransformerConfig.from_config(config))
-  os.makedirs(output, exist_ok=True)
+  output.mkdir(parents=True, exist_ok=True)
   if not config.vocab_path:  # the vocabulary trained into the workdir travels with the model
-    shutil.copy(os.path.join(workdir, tokenizer.VOCAB_FILENAME), os.path.join(output, tokenizer.VOCAB_FILENAME))
+    (output / tokenizer.VOCAB_FILENAME).write_bytes((storage.path(workdir) / tokenizer.VOCAB_FILENAME).read_bytes())
   with config.unlocked():
     config.average_last = 1  # the output holds one checkpoint: the average
   checkpointing.save_params(checkpointing.checkpoint_dir(output), chosen[-1], params)
@@ -70,7 +68,7 @@ def main(argv):
   except UserError as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(1)
-  print(f'averaged steps {chosen} into {os.path.abspath(f.output)}; translate with: '
+  print(f'averaged steps {chosen} into {storage.path(f.output)}; translate with: '
         f'python translate.py --workdir={f.output}')
 
 

@@ -10,14 +10,12 @@ Layout of a workdir:
 
 import dataclasses
 import json
-import os
-import socket
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorflow as tf
 
+from flax_transformer import storage
 from flax_transformer.errors import UserError, WorkdirError
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -26,8 +24,8 @@ CONFIG_FILENAME = 'config.json'
 COMPUTE_CHOICES = ('dropout_rate', 'attention_dropout_rate', 'dropout_masks', 'attention', 'dtype', 'scan_unroll')
 
 
-def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+def checkpoint_dir(workdir: str):
+  return storage.path(workdir) / CHECKPOINT_DIR
 
 
 def create_manager(workdir: str, keep: int, asynchronous: bool = True) -> ocp.CheckpointManager:
@@ -80,7 +78,7 @@ def save_state(manager: ocp.CheckpointManager, state, data_state: dict | None = 
 
 def restore_data_state(manager: ocp.CheckpointManager, step: int) -> dict | None:
   """This process's data-iterator state saved with checkpoint `step`, or None if it has none."""
-  if not os.path.isdir(os.path.join(str(manager.directory), str(step), 'data')):
+  if not (storage.path(manager.directory) / str(step) / 'data').is_dir():
     return None
   return manager.restore(step, args=ocp.args.Composite(data=DataStateRestore()))['data']
 
@@ -117,30 +115,28 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
     except UserError:
       raise
     except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
-      path = os.path.join(str(manager.directory), str(step))
+      path = storage.path(manager.directory) / str(step)
       reason = f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:160]}'
       if jax.process_count() > 1:
         raise CheckpointDamaged(f'checkpoint {path} cannot be restored ({reason}); move it aside (mv {path} '
                                 f'{path}.corrupt) and rerun to resume from the one before') from None
-      os.rename(path, path + '.corrupt')
+      path.rename(f'{path}.corrupt')
       print(f'checkpoint {step} cannot be restored ({reason}); moved to {path}.corrupt, trying the one before',
             flush=True)
       manager.reload()
   return state, None, None
 
 
-def _checkpoints_folder(directory: str) -> str:
-  """The absolute checkpoints/ folder of `directory` (a workdir or that folder): Orbax takes absolute paths."""
-  directory = os.path.abspath(directory)
-  if os.path.basename(directory) != CHECKPOINT_DIR:
-    directory = os.path.join(directory, CHECKPOINT_DIR)
-  return directory
+def _checkpoints_folder(directory: str):
+  """The checkpoints/ folder of `directory` (a workdir or that folder), absolute (Orbax takes no other)."""
+  directory = storage.path(directory)
+  return directory if directory.name == CHECKPOINT_DIR else directory / CHECKPOINT_DIR
 
 
 def available_steps(directory: str) -> list[int]:
   """Steps of the finished checkpoints under `directory` (a workdir or its checkpoints/ folder)."""
   directory = _checkpoints_folder(directory)
-  if not tf.io.gfile.isdir(directory):
+  if not directory.is_dir():
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))
 
@@ -173,7 +169,7 @@ def average_params(params_list):
 def save_params(directory: str, step: int, params) -> None:
   """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model)."""
   options = ocp.CheckpointManagerOptions(create=True)
-  with ocp.CheckpointManager(os.path.abspath(directory), options=options) as manager:
+  with ocp.CheckpointManager(storage.path(directory), options=options) as manager:
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
     manager.wait_until_finished()
 
@@ -182,17 +178,12 @@ def save_params(directory: str, step: int, params) -> None:
 
 def check_workdir(workdir: str, config) -> None:
   """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""
-  try:
-    tf.io.gfile.makedirs(workdir)
-    # One probe per process: the processes of a multi-host run check the same (shared) workdir at once.
-    probe = os.path.join(workdir, f'.write_test.{socket.gethostname()}.{os.getpid()}')
-    with tf.io.gfile.GFile(probe, 'w') as f:
-      f.write('ok')
-    tf.io.gfile.remove(probe)
-  except (OSError, tf.errors.OpError) as error:
-    raise WorkdirError(f'workdir {workdir} is not writable ({type(error).__name__}); choose another --workdir') from None
-  path = os.path.join(workdir, CONFIG_FILENAME)
-  if not tf.io.gfile.exists(path):
+  try:  # one probe per process: the processes of a multi-host run check the same (shared) workdir at once
+    storage.check_writable(workdir, 'workdir', 'choose another --workdir')
+  except storage.StorageError as error:
+    raise WorkdirError(str(error)) from None
+  path = storage.path(workdir) / CONFIG_FILENAME
+  if not path.exists():
     return
   saved = _read_json(path)
   current = json.loads(config.to_json())
@@ -207,24 +198,21 @@ def check_workdir(workdir: str, config) -> None:
 
 
 def write_config(workdir: str, config) -> None:
-  path = os.path.join(workdir, CONFIG_FILENAME)
-  with tf.io.gfile.GFile(path + '.tmp', 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))
-  tf.io.gfile.rename(path + '.tmp', path, overwrite=True)
+  storage.write_atomic(storage.path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2))
 
 
 def read_config(workdir: str):
   """The ConfigDict a run saved in its workdir."""
   import ml_collections
-  path = os.path.join(workdir, CONFIG_FILENAME)
-  if not tf.io.gfile.exists(path):
+  path = storage.path(workdir) / CONFIG_FILENAME
+  if not path.exists():
     raise WorkdirError(f'{workdir} has no {CONFIG_FILENAME}; point --workdir at a directory written by train.py')
   return ml_collections.ConfigDict(_read_json(path))
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path) -> dict:
   try:
-    return json.loads(tf.io.gfile.GFile(path).read())
+    return json.loads(path.read_text())
   except json.JSONDecodeError as error:
     raise WorkdirError(f'{path} is damaged ({error.msg} at line {error.lineno}); restore it from a copy, or '
                        f'rewrite it with the run\'s config (train.py writes it at start-up)') from None

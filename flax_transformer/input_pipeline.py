@@ -38,7 +38,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import bucketing
+from flax_transformer import bucketing, storage
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import UserError
 
@@ -54,10 +54,9 @@ def read_lines(path: str) -> list[str]:
   """Lines of a plain or gzipped UTF-8 file, without newlines."""
   if not path:
     raise DataError('a data file path is empty; set the config.*_source / config.*_target paths')
-  if not tf.io.gfile.exists(path):
+  if not storage.path(path).exists():
     raise DataError(f'data file {path} does not exist; check the path (override with --config.<field>=PATH)')
-  with tf.io.gfile.GFile(path, 'rb') as raw:
-    data = raw.read()
+  data = storage.path(path).read_bytes()
   if path.endswith('.gz'):
     data = gzip.decompress(data)
   return decode_lines(data, path)
@@ -92,7 +91,7 @@ def _split_paths(config, split: str) -> tuple[str, str]:
   """The split's (source, target) files; a missing one is a one-line error naming its config field."""
   paths = {f'{split}_{side}': config[f'{split}_{side}'] for side in ('source', 'target')}
   for field, path in paths.items():
-    if path and not tf.io.gfile.exists(path):
+    if path and not storage.path(path).exists():
       raise DataError(f'config.{field}={path} does not exist; set the path (--config.{field}=PATH); for '
                       f'Multi30k, python tools/get_multi30k.py --dir=DIR downloads it, then '
                       f'--config=configs/multi30k.py:DIR')
@@ -151,7 +150,7 @@ def python_pairs(config, split: str = 'train'):
 def tokenize(dataset: tf.data.Dataset, vocab_path: str, batch_size: int = 1024) -> tf.data.Dataset:
   """String pairs -> batches of (source, target) ragged int32 ids ending in EOS, with tensorflow-text's op."""
   import tensorflow_text as tf_text
-  model = tf.io.gfile.GFile(vocab_path, 'rb').read()
+  model = storage.path(vocab_path).read_bytes()
   tokenizer = tf_text.SentencepieceTokenizer(model=model, add_eos=True)
   # Batched so one op call encodes many sentences; parallel across cores.
   return (dataset.batch(batch_size)

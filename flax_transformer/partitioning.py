@@ -8,6 +8,7 @@ they, the Adam moments and the activations are split over the mesh axes:
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -76,24 +77,53 @@ def data_parallel_size(mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-def data_shard(mesh: Mesh) -> tuple[int, int]:
-  """(index, count) of this process's data shard: processes whose devices hold the same rows of the batch
-  read the same shard; `count` shards split the batch (and the training data) into equal row blocks.
+@dataclasses.dataclass(frozen=True)
+class DataShard:
+  """This process's part of every global batch: the data-parallel row blocks its devices hold, wherever
+  they sit in the mesh (a TPU slice's interconnect order interleaves hosts; a process-ordered mesh does not).
 
-  E.g. 2 hosts on a (2, 2, 2) mesh: 2 shards; a model axis across the hosts, (1, 1, 8): 1 shard, read by both.
+  Processes whose devices hold the same blocks (a model axis across hosts) read the same data shard; the
+  `count` shards are disjoint and cover the batch, ordered by their first block.
   """
-  dp = data_parallel_size(mesh)
-  blocks = batch_sharding(mesh).devices_indices_map((dp,))  # device -> its slice of a dp-row batch
+  index: int  # which data shard this process reads, 0 <= index < count
+  count: int  # the processes' distinct block sets
+  blocks: tuple[int, ...]  # the data-parallel blocks this process holds, ascending: its local rows in order
+  data_parallel: int  # blocks of a global batch (mesh data x fsdp)
+
+  def to_global(self, local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """This process's rows [len(blocks) * r, ...] (block by block, in `blocks` order) -> the global array
+    [data_parallel * r, ...], each device given the rows of its block."""
+    rows = local.shape[0] // len(self.blocks)
+    global_shape = (rows * self.data_parallel, *local.shape[1:])
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(global_shape).items():
+      at = self.blocks.index((index[0].start or 0) // rows) * rows
+      arrays.append(jax.device_put(local[at:at + rows], device))
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
+def data_shard(devices: np.ndarray, process_index: int | None = None) -> DataShard:
+  """The DataShard of process `process_index` (default: this one) on a (data, fsdp, model) device array.
+
+  Batches are split over ('data', 'fsdp'), data-major: the device at [i, j, k] holds block i * fsdp + j.
+  Only `process_index` is read from the devices, so this runs on device descriptions of any slice.
+  """
+  process_index = jax.process_index() if process_index is None else process_index
+  data, fsdp, _ = devices.shape
+  blocks = np.broadcast_to(np.arange(data * fsdp).reshape(data, fsdp, 1), devices.shape)
   held = {}
-  for device, (rows,) in blocks.items():
-    held.setdefault(device.process_index, set()).add(rows.start or 0)
-  shards = sorted({tuple(sorted(rows)) for rows in held.values()})
-  starts = [shard[0] for shard in shards]
-  contiguous = all(list(s) == list(range(s[0], s[0] + len(shards[0]))) for s in shards)
-  if not contiguous or len({len(s) for s in shards}) != 1 or len(set().union(*shards)) != sum(map(len, shards)):
-    raise ConfigError(f'config.mesh_shape={tuple(mesh.devices.shape)} gives the processes overlapping or uneven '
-                      f'blocks of the batch; order the mesh so each host holds whole data-parallel rows')
-  return starts.index(min(held[jax.process_index()])), len(shards)
+  for device, block in zip(devices.flat, blocks.flat):
+    held.setdefault(device.process_index, set()).add(int(block))
+  shards = sorted({tuple(sorted(b)) for b in held.values()})
+  if len(set().union(*shards)) != sum(map(len, shards)) or len({len(s) for s in shards}) != 1:
+    raise ConfigError(f'config.mesh_shape={tuple(devices.shape)} gives the processes overlapping or uneven '
+                      f'shares of the batch (blocks per process: {dict(sorted(held.items()))}); choose a mesh whose '
+                      f'data x fsdp axes split evenly over the hosts')
+  if process_index not in held:
+    raise ConfigError(f'config.mesh_shape={tuple(devices.shape)} holds none of process {process_index}\'s '
+                      f'devices; use every device (-1 in config.mesh_shape)')
+  mine = tuple(sorted(held[process_index]))
+  return DataShard(shards.index(mine), len(shards), mine, data * fsdp)
 
 
 def check_model_fits_mesh(model_config: TransformerConfig, mesh: Mesh) -> None:

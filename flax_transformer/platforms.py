@@ -69,13 +69,15 @@ def attention(dtype: str, head_size: int, platform: str | None = None) -> str:
   return 'xla'
 
 
-def banner(config, model_config, mesh, num_params: int, num_batch_shapes: int, fused_output_loss: bool) -> str:
+def banner(config, model_config, mesh, num_params: int, num_batch_shapes: int, fused_output_loss: bool,
+           cluster_kind: str = 'single process') -> str:
   """What this run is on and what it will compile, printed before the first compilation."""
   devices = mesh.devices.flatten()
   dp = math.prod(mesh.shape[a] for a in ('data', 'fsdp'))
   lines = [
       f'platform: {current()} ({devices[0].device_kind}), {devices.size} devices '
       f'({jax.local_device_count()} on this process); process {jax.process_index()} of {jax.process_count()}',
+      f'cluster: {cluster_kind}',
       f'mesh: {" x ".join(f"{name}={size}" for name, size in mesh.shape.items())}',
       f'model: {num_params:,} parameters (float32), compute dtype {model_config.dtype}, attention '
       f'{model_config.attention}, dropout masks {model_config.dropout_masks}, '

@@ -10,8 +10,8 @@ import time
 from collections.abc import Iterable
 
 import sentencepiece as spm
-import tensorflow as tf
 
+from flax_transformer import storage
 from flax_transformer.constants import EOS_ID, PAD_ID, UNK_ID
 from flax_transformer.errors import UserError
 
@@ -39,8 +39,7 @@ def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size:
   """Trains one model on both languages and writes it atomically to `path`."""
   if model_type not in ('bpe', 'unigram'):
     raise VocabularyError(f"config.vocab_type={model_type!r}: use 'bpe' or 'unigram'")
-  directory = os.path.dirname(path) or '.'
-  tf.io.gfile.makedirs(directory)
+  storage.path(path).parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory() as scratch:
     prefix = os.path.join(scratch, 'spm')
     try:
@@ -53,16 +52,16 @@ def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size:
       first_line = str(error).strip().splitlines()[-1]
       raise VocabularyError(f'cannot train a {vocab_size}-piece vocabulary on this corpus ({first_line}); '
                             f'lower config.model.vocab_size') from None
-    tf.io.gfile.copy(prefix + '.model', path + '.tmp', overwrite=True)
-    tf.io.gfile.rename(path + '.tmp', path, overwrite=True)
+    with open(prefix + '.model', 'rb') as f:
+      storage.write_atomic(path, f.read())
   return path
 
 
 def load(path: str, expected_vocab_size: int | None = None) -> spm.SentencePieceProcessor:
   """Loads a model and checks it against the model config's vocabulary size."""
-  if not tf.io.gfile.exists(path):
+  if not storage.path(path).exists():
     raise VocabularyError(f'vocabulary file {path} does not exist; fix config.vocab_path or leave it empty to train one')
-  processor = spm.SentencePieceProcessor(model_proto=tf.io.gfile.GFile(path, 'rb').read())
+  processor = spm.SentencePieceProcessor(model_proto=storage.path(path).read_bytes())
   if expected_vocab_size is not None and processor.get_piece_size() != expected_vocab_size:
     raise VocabularyError(f'vocabulary {path} has {processor.get_piece_size()} pieces but '
                           f'config.model.vocab_size={expected_vocab_size}; set them equal')
@@ -81,14 +80,14 @@ def train_or_load(config, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProc
   vocab_size = config.model.vocab_size
   if config.vocab_path:
     return load(config.vocab_path, vocab_size), config.vocab_path
-  path = os.path.join(workdir, VOCAB_FILENAME)
-  if not tf.io.gfile.exists(path):
+  path = storage.path(workdir) / VOCAB_FILENAME
+  if not path.exists():
     print(f'training a {vocab_size:,}-piece {config.vocab_type} vocabulary on up to {config.max_corpus_chars:,} '
           f'characters of the training text (once per workdir)...', flush=True)
     start = time.perf_counter()
     train_sentencepiece(pairs_fn(), path, vocab_size, config.vocab_type, config.max_corpus_chars)
     print(f'vocabulary trained in {time.perf_counter() - start:.0f} s: {path}', flush=True)
-  return load(path, vocab_size), path
+  return load(path, vocab_size), os.fspath(path)
 
 
 def decode_ids(processor: spm.SentencePieceProcessor, ids) -> str:

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import (checkpointing, evaluation, input_pipeline, optim, partitioning, platforms, steps,
-                              tokenizer)
+from flax_transformer import (checkpointing, cluster, evaluation, input_pipeline, optim, partitioning, platforms,
+                              steps, storage, tokenizer)
 from flax_transformer.errors import ConfigError, UserError
 from flax_transformer.model import TransformerConfig
 
@@ -37,20 +37,6 @@ class TrainingDiverged(UserError):
 
 class CheckpointSaveFailed(UserError):
   """A checkpoint could not be written (disk full, permissions...)."""
-
-
-def maybe_initialize_distributed(config) -> None:
-  """jax.distributed for multi-process runs: explicit config values, else detected from the environment."""
-  if jax.distributed.is_initialized():  # (asking jax.process_count() here would start the backend too early)
-    return
-  address = config.get('coordinator_address', '')
-  if address:
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU-only clusters and tests
-    jax.distributed.initialize(coordinator_address=address, num_processes=config.num_processes,
-                               process_id=config.process_id)
-  elif any(k in os.environ for k in ('SLURM_NTASKS', 'TPU_WORKER_HOSTNAMES', 'MEGASCALE_COORDINATOR_ADDRESS')):
-    if int(os.environ.get('SLURM_NTASKS', '1')) > 1 or 'TPU_WORKER_HOSTNAMES' in os.environ:
-      jax.distributed.initialize()
 
 
 def check_config(config) -> None:
@@ -181,7 +167,7 @@ def data_seed(seed: int, start_step: int) -> int:
 class Run:
   """What set-up builds, for the loop to read: one training run on one mesh."""
   config: Any
-  workdir: str
+  workdir: Any  # epath.Path: a local directory or a storage URL
   is_chief: bool
   model_config: TransformerConfig
   mesh: Any
@@ -196,7 +182,7 @@ class Run:
   eval_step: Any
   learning_rate: Any  # optax schedule, by update count
   dropout_rng: Any
-  data_shards: int  # processes' row blocks of a batch (partitioning.data_shard)
+  data_shard: partitioning.DataShard  # the rows of every batch this process feeds
 
   @functools.cached_property
   def batch_sharding(self):
@@ -204,9 +190,7 @@ class Run:
 
   def to_global(self, batch):
     """This process's rows of a training batch -> the global batch."""
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v,
-                                                      (v.shape[0] * self.data_shards, *v.shape[1:]))
-            for k, v in batch.items()}
+    return {k: self.data_shard.to_global(v, self.batch_sharding) for k, v in batch.items()}
 
   def eval_to_global(self, batch):
     """An evaluation batch every process holds whole -> a global array."""
@@ -238,14 +222,15 @@ def set_up(config, workdir: str, devices=None) -> Run:
   """Checks, mesh, vocabulary, train state (resumed if the workdir has a checkpoint), data and jitted steps."""
   enable_compilation_cache()
   platforms.import_tensorflow_quietly()
-  maybe_initialize_distributed(config)
+  cluster_kind = cluster.start(config).kind
   platforms.check(config.platform)
   check_config(config)
   model_config = TransformerConfig.from_config(config)
-  is_chief, workdir = jax.process_index() == 0, os.path.abspath(workdir)
+  is_chief, workdir = jax.process_index() == 0, storage.path(workdir)
   checkpointing.check_workdir(workdir, config)
   mesh = partitioning.create_mesh(config.mesh_shape, devices)
   partitioning.check_model_fits_mesh(model_config, mesh)  # before the vocabulary's minute, not after
+  shard = partitioning.data_shard(mesh.devices)
   processor, vocab_path = _vocabulary(config, workdir, is_chief)
   if is_chief:
     checkpointing.write_config(workdir, config)
@@ -253,14 +238,15 @@ def set_up(config, workdir: str, devices=None) -> Run:
   state, state_shardings = partitioning.create_train_state(config, model_config, mesh, init_rng)
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   state, data_state = _resume(config, workdir, state, state_shardings, manager)
-  start_step, shard = int(jax.device_get(state.step)), partitioning.data_shard(mesh)
-  train_iter = input_pipeline.process_train_batches(config, vocab_path, shard, partitioning.data_parallel_size(mesh),
+  start_step = int(jax.device_get(state.step))
+  train_iter = input_pipeline.process_train_batches(config, vocab_path, (shard.index, shard.count),
+                                                    partitioning.data_parallel_size(mesh),
                                                     data_seed(config.seed, start_step), data_state)
   fused_output_loss = platforms.fused_output_loss(config.output_loss)
   if is_chief:
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     print(platforms.banner(config, model_config, mesh, num_params, len(train_iter.plan.used_shapes),
-                           fused_output_loss), flush=True)
+                           fused_output_loss, cluster_kind), flush=True)
   train_step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
                         gradient_accumulation_steps=config.gradient_accumulation_steps,
@@ -270,16 +256,18 @@ def set_up(config, workdir: str, devices=None) -> Run:
       mesh, state_shardings.params)
   return Run(config, workdir, is_chief, model_config, mesh, processor, vocab_path, state, state_shardings, manager,
              start_step, train_iter, train_step, eval_step,
-             optim.learning_rate(config, model_config.d_model), dropout_rng, shard[1])
+             optim.learning_rate(config, model_config.d_model), dropout_rng, shard)
 
 
 class MetricsLog:
   """TensorBoard scalars, the JSONL of metrics and every step's loss, and the console (process 0 only)."""
 
-  def __init__(self, workdir: str, is_chief: bool):
-    self.is_chief = is_chief
-    self.writer = tf.summary.create_file_writer(os.path.join(workdir, 'tensorboard')) if is_chief else None
-    self.file = open(os.path.join(workdir, METRICS_FILENAME), 'a') if is_chief else None
+  def __init__(self, workdir, is_chief: bool):
+    self.is_chief, self.writer, self.file = is_chief, None, None
+    if is_chief:
+      self.tensorboard = storage.MirroredDirectory(storage.path(workdir) / 'tensorboard')
+      self.writer = tf.summary.create_file_writer(self.tensorboard.local)
+      self.file = storage.AppendedFile(storage.path(workdir) / METRICS_FILENAME)
 
   def scalars(self, step: int, scalars: dict, prefix: str) -> None:
     if not self.is_chief:
@@ -288,6 +276,7 @@ class MetricsLog:
       for name, value in scalars.items():
         tf.summary.scalar(f'{prefix}/{name}', value)
     self.writer.flush()
+    self.tensorboard.sync()
     self.file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
     self.file.flush()
 
@@ -302,6 +291,8 @@ class MetricsLog:
 
   def close(self) -> None:
     if self.file:
+      self.writer.close()
+      self.tensorboard.sync()
       self.file.close()
 
 
@@ -381,9 +372,8 @@ class Evaluator:
       else:
         results['bleu'], _ = evaluation.bleu(hypotheses, self.references, config.get('bleu_tokenize', '13a'))
         if run.is_chief:  # the sample's translations, to read beside the score
-          tf.io.gfile.makedirs(os.path.join(run.workdir, TRANSLATIONS_DIR))
-          with tf.io.gfile.GFile(os.path.join(run.workdir, TRANSLATIONS_DIR, f'eval_{step}.txt'), 'w') as f:
-            f.write(''.join(h + '\n' for h in hypotheses))
+          (run.workdir / TRANSLATIONS_DIR).mkdir(parents=True, exist_ok=True)
+          (run.workdir / TRANSLATIONS_DIR / f'eval_{step}.txt').write_text(''.join(h + '\n' for h in hypotheses))
     if results is None:
       print(f'evaluation at step {step} abandoned: {stop.received} received', flush=True)
       return {}

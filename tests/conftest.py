@@ -128,3 +128,45 @@ def trained_run(tmp_path_factory):
       subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=subprocess_env(),
                      check=True, capture_output=True, timeout=600)
   return str(workdir), str(corpus)
+
+
+def free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope='session')
+def gcs(tmp_path_factory):
+  """A local Google Cloud Storage (tests/gcs_emulator.py) with bucket `bucket`, one per test process (fsspec
+  keeps one client per process): yields the environment variables that point the product at it, also set
+  in this process from then on."""
+  port = free_port()
+  server = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'gcs_emulator.py'), str(port),
+                             str(tmp_path_factory.mktemp('gcs'))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  variables = {'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}', 'TENSORSTORE_GCS_HTTP_URL': f'http://127.0.0.1:{port}',
+               'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false', 'EPATH_USE_TF': 'false'}
+  import socket
+  import time
+  deadline = time.time() + 30
+  while True:
+    try:
+      socket.create_connection(('127.0.0.1', port), timeout=1).close()
+      break
+    except OSError:
+      if time.time() > deadline or server.poll() is not None:
+        raise RuntimeError('the GCS emulator did not start')
+      time.sleep(0.1)
+  saved = {k: os.environ.get(k) for k in variables}
+  os.environ.update(variables)
+  try:
+    yield variables
+  finally:
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+    server.kill()
+    server.wait()

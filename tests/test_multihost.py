@@ -1,5 +1,6 @@
 """Two processes × 4 CPU devices through train.py, as on a two-host pod: 3 length buckets, strided
-gradient accumulation, evaluation with BLEU, kill -9 and resume; one-process evaluation agrees."""
+gradient accumulation, evaluation with BLEU, kill -9 and resume on a gs:// workdir (a local GCS emulator),
+averaging and translation from gs://; one-process evaluation agrees."""
 
 import functools
 import json
@@ -13,7 +14,7 @@ import jax
 import pytest
 
 from tools import compare_runs
-from flax_transformer import checkpointing, evaluation, input_pipeline, partitioning, steps, tokenizer
+from flax_transformer import checkpointing, evaluation, input_pipeline, partitioning, steps, storage, tokenizer
 from flax_transformer.model import TransformerConfig
 from tests.test_input_pipeline import write_corpus
 from tests.test_partitioning import _free_port
@@ -39,16 +40,12 @@ def _commands(workdir, corpus, extra=()):
   return [base + [f'--config.process_id={i}'] for i in (0, 1)]
 
 
-def _env4():
-  return subprocess_env(4)
-
-
-def _run(commands, kill_after_step=None, workdir=None):
+def _run(commands, kill_after_step=None, workdir=None, env=None, cwd=None):
   """Runs both processes; with `kill_after_step`, kill -9 process 1 once that step is logged and a
   checkpoint is on disk (process 0 then fails in its next collective, or is killed after 10 s, as a
   scheduler tears down a job). Returns the processes and their outputs."""
-  processes = [subprocess.Popen(c, env=_env4(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for c in commands]
+  processes = [subprocess.Popen(c, env=env or subprocess_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=cwd) for c in commands]
   if kill_after_step is not None:
     for line in processes[0].stdout:
       if line.startswith(f'step {kill_after_step}/'):
@@ -81,28 +78,48 @@ def reference(corpus, tmp_path_factory):
   return workdir, outputs
 
 
-def test_two_hosts_resume_bitwise_after_kill(corpus, reference, tmp_path):
+def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_path):
+  """The run's data, workdir, averaged model and translations all on gs://; nothing written locally."""
   expected_dir, outputs = reference
-  killed = str(tmp_path / 'killed')
-  processes, outputs = _run(_commands(killed, corpus), kill_after_step=9, workdir=killed)  # after checkpoint 8, before the first evaluation
+  bucket_corpus, killed = 'gs://bucket/corpus', 'gs://bucket/run'
+  for name in os.listdir(corpus):
+    (storage.path(bucket_corpus) / name).write_bytes((storage.path(corpus) / name).read_bytes())
+  env, cwd = {**subprocess_env(4), **gcs}, tmp_path / 'cwd'
+  cwd.mkdir()
+  commands = _commands(killed, bucket_corpus)
+  processes, outputs = _run(commands, kill_after_step=9, workdir=killed, env=env, cwd=cwd)  # after checkpoint 8, before the first evaluation
   assert processes[1].returncode == -signal.SIGKILL
   print('process 0 after process 1 was killed: exit status', processes[0].returncode)
   restored_from = checkpointing.available_steps(killed)[-1]
   assert 8 <= restored_from < STEPS
-  processes, outputs = _run(_commands(killed, corpus))
+  processes, outputs = _run(commands, env=env, cwd=cwd)
   assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
   assert f'resumed from step {restored_from}' in outputs[0] and 'restarts' not in outputs[0]
   comparison = compare_runs.compare(expected_dir, killed)
   print(comparison)
   assert comparison['last_step'] == STEPS and comparison['differing_steps'] == []
   assert comparison['evaluations'] >= 1 and comparison['differing_evaluations'] == []
-  saved = sorted(n for n in os.listdir(os.path.join(killed, 'checkpoints', str(STEPS), 'data')) if n.endswith('.json'))
+  data = storage.path(killed) / 'checkpoints' / str(STEPS) / 'data'
+  saved = sorted(p.name for p in data.iterdir() if p.name.endswith('.json'))
   assert saved == ['process_0.json', 'process_1.json']
-  states = []
-  for name in saved:
-    with open(os.path.join(killed, 'checkpoints', str(STEPS), 'data', name)) as f:
-      states.append(json.load(f))
+  states = [json.loads((data / name).read_text()) for name in saved]
   assert [s['shard'] for s in states] == [[0, 2], [1, 2]] and states[0]['positions'] == states[1]['positions']
+  assert (storage.path(killed) / 'tensorboard').is_dir() and (storage.path(killed) / 'translations').is_dir()
+
+  one_device = {**subprocess_env(1), **gcs}
+  averaged = subprocess.run([sys.executable, '-m', 'flax_transformer.average', f'--workdir={killed}',
+                             '--output=gs://bucket/averaged', '--last=2'], env=one_device, cwd=cwd,
+                            capture_output=True, text=True, timeout=300)
+  assert averaged.returncode == 0, averaged.stderr[-2000:]
+  translated = subprocess.run([sys.executable, os.path.join(ROOT, 'translate.py'), '--workdir=gs://bucket/averaged',
+                               f'--input={bucket_corpus}/eval.src.gz', '--output=gs://bucket/eval.de.gz',
+                               f'--reference={bucket_corpus}/eval.tgt.gz'], env=one_device, cwd=cwd,
+                              capture_output=True, text=True, timeout=300)
+  assert translated.returncode == 0, translated.stderr[-2000:]
+  assert 'BLEU = ' in translated.stderr
+  lines = input_pipeline.read_lines('gs://bucket/eval.de.gz')
+  assert len(lines) == len(input_pipeline.read_lines(f'{bucket_corpus}/eval.src.gz')) == 24
+  assert list(cwd.iterdir()) == []  # nothing was written where the processes ran
 
 
 def test_evaluation_equals_one_process(corpus, reference, tiny_config):

@@ -1,5 +1,7 @@
 """Scale-out: FSDP memory per device, restore onto other meshes, multi-host, bf16, mesh errors."""
 
+import dataclasses
+import itertools
 import json
 import os
 import socket
@@ -10,6 +12,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from jax.experimental import mesh_utils
 
 from flax_transformer import checkpointing, partitioning, steps
 from flax_transformer.errors import ConfigError
@@ -79,7 +82,8 @@ def test_two_process_run_matches_one_process(tmp_path):
   multi_run = json.loads(multi.read_text())
   print('1 process:', single, '\n2 processes:', multi_run)
   assert multi_run['processes'] == 2 and multi_run['devices'] == 8
-  np.testing.assert_allclose(multi_run['losses'], single, rtol=1e-5)
+  np.testing.assert_allclose(multi_run['losses']['process'], single, rtol=1e-5)
+  np.testing.assert_allclose(multi_run['losses']['alternating'], single, rtol=1e-5)
 
 
 @pytest.mark.parametrize('mesh_shape,message', [
@@ -101,3 +105,54 @@ def test_heads_and_batch_must_divide_the_mesh(tiny_config, small_model_config, n
   step = partitioning.jit_train_step(steps.train_step, mesh, shardings)
   with pytest.raises(ConfigError, match='a global batch of 6 rows is not divisible by the data-parallel size 8'):
     step(state, random_batch(np_rng, 6, 5, 5, 64), jax.random.key(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTpuDevice:
+  """What mesh_utils reads of a TPU device: its chip's coordinates in the slice's torus, and its host."""
+  id: int
+  process_index: int
+  coords: tuple[int, int, int]
+  device_kind: str
+  core_on_chip: int = 0
+  platform: str = 'tpu'
+  slice_index: int = 0
+
+
+def _tpu_slice(kind: str, topology: tuple[int, int, int], chips_per_host: tuple[int, int, int]):
+  """One device per chip (v4 megacore, v5e); each host holds a `chips_per_host` block of the torus."""
+  hosts = [t // h for t, h in zip(topology, chips_per_host)]
+  devices = []
+  for z, y, x in itertools.product(*(range(n) for n in reversed(topology))):
+    host = (x // chips_per_host[0]) + hosts[0] * ((y // chips_per_host[1]) + hosts[1] * (z // chips_per_host[2]))
+    devices.append(FakeTpuDevice(len(devices), host, (x, y, z), kind))
+  return devices
+
+
+@pytest.mark.parametrize('name,kind,topology,mesh_shape', [
+    ('v4-16', 'TPU v4', (2, 2, 2), (8, 1, 1)),
+    ('v4-64', 'TPU v4', (4, 4, 2), (4, 8, 1)),
+    ('v5e 4x4', 'TPU v5 lite', (4, 4, 1), (16, 1, 1)),
+])
+def test_tpu_slice_meshes_feed_each_process_the_rows_of_its_devices(name, kind, topology, mesh_shape):
+  """mesh_utils orders a slice's devices by the interconnect, which interleaves hosts along the batch."""
+  devices = mesh_utils.create_device_mesh(mesh_shape, _tpu_slice(kind, topology, (2, 2, 1)))
+  processes = np.vectorize(lambda d: d.process_index)(devices)
+  block_of = np.arange(mesh_shape[0] * mesh_shape[1]).reshape(mesh_shape[:2])  # data-major, as PartitionSpec(('data', 'fsdp'))
+  shards = {p: partitioning.data_shard(devices, p) for p in np.unique(processes)}
+  print(name, mesh_shape, 'processes along the batch:', processes[..., 0].ravel().tolist())
+  for process, shard in shards.items():
+    print(f'  process {process}: shard {shard.index} of {shard.count}, blocks {shard.blocks}')
+    assert set(shard.blocks) == set(block_of[processes[..., 0] == process].tolist())
+  assert sorted(b for s in shards.values() for b in s.blocks) == list(range(block_of.size))  # disjoint, covering
+  assert sorted(s.index for s in shards.values()) == list(range(len(shards))) == list(range(shards[0].count))
+  assert any(s.blocks != tuple(range(s.blocks[0], s.blocks[0] + len(s.blocks))) for s in shards.values())  # interleaved
+
+
+def test_a_mesh_that_leaves_out_a_process_or_splits_it_unevenly_is_a_one_line_error():
+  devices = np.array(_tpu_slice('TPU v4', (2, 2, 2), (2, 2, 1)), dtype=object)
+  with pytest.raises(ConfigError, match=r'config.mesh_shape=\(4, 1, 1\) holds none of process 1\'s devices'):
+    partitioning.data_shard(devices[:4].reshape(4, 1, 1), 1)
+  overlapping = devices[[0, 4, 1, 2, 5, 6, 3, 7]].reshape(4, 1, 2)  # blocks 0 and 3 each span both processes
+  with pytest.raises(ConfigError, match=r'config.mesh_shape=\(4, 1, 2\) gives the processes overlapping or uneven'):
+    partitioning.data_shard(overlapping, 0)

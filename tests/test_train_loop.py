@@ -172,7 +172,7 @@ def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   unwritable.chmod(0o500)
   blocker = tmp_path / 'file'
   blocker.write_text('not a directory')
-  for workdir, message in ((str(blocker / 'sub'), 'is not writable'),):
+  for workdir, message in ((str(blocker / 'sub'), 'cannot be written'),):
     result = subprocess.run(train_command(workdir, corpus), env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]

@@ -14,6 +14,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flax_transformer import storage  # noqa: E402
 from flax_transformer.train_loop import METRICS_FILENAME  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -22,18 +23,17 @@ flags.DEFINE_multi_string('workdir', None, 'The two run directories.', required=
 
 def read_run(workdir: str) -> tuple[dict[int, float], dict[int, dict]]:
   """({step: loss}, {step: evaluation record}) from a run's metrics file (a resumed run's last record wins)."""
-  path = os.path.join(workdir, METRICS_FILENAME)
-  if not os.path.exists(path):
+  path = storage.path(workdir) / METRICS_FILENAME
+  if not path.exists():
     raise SystemExit(f'error: {path} does not exist; pass the --workdir of a training run')
   losses, evaluations = {}, {}
-  with open(path) as f:
-    for line in f:
-      record = json.loads(line)
-      if record['split'] == 'train_steps':
-        first = record['step'] - len(record['losses']) + 1
-        losses.update(zip(range(first, record['step'] + 1), record['losses']))
-      elif record['split'] == 'eval':
-        evaluations[record['step']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
+  for line in path.read_text().splitlines():
+    record = json.loads(line)
+    if record['split'] == 'train_steps':
+      first = record['step'] - len(record['losses']) + 1
+      losses.update(zip(range(first, record['step'] + 1), record['losses']))
+    elif record['split'] == 'eval':
+      evaluations[record['step']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
   return losses, evaluations
 
 

@@ -1,0 +1,141 @@
+"""Where the product reads and writes: local paths and storage URLs (gs://, s3://) through `etils.epath`.
+
+Every file the product touches (config.json, the vocabulary, checkpoints and their data state, metrics,
+TensorBoard, translations, data and translation inputs) is named by `path(location)`, so a `gs://` workdir
+works wherever a local one does. Orbax writes its arrays through TensorStore and the rest through the same
+epath, so one URL is one place for every process of a run.
+
+URLs go through fsspec (gcsfs for gs://): one backend whose exclusive create (`create_exclusive`) makes the
+workdir lock, and which reaches a local emulator through the standard variable: with
+`STORAGE_EMULATOR_HOST=http://127.0.0.1:PORT` set, TensorStore (`TENSORSTORE_GCS_HTTP_URL`) and gcsfs both
+talk to it, so tests run a pod's storage on one machine.
+"""
+
+import os
+import tempfile
+
+os.environ.setdefault('EPATH_USE_TF', 'false')  # gs:// through fsspec (gcsfs), which an emulator can stand in for
+if os.environ.get('STORAGE_EMULATOR_HOST'):
+  os.environ.setdefault('TENSORSTORE_GCS_HTTP_URL', os.environ['STORAGE_EMULATOR_HOST'])
+  os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')  # its bucket probe speaks gRPC to real GCS only
+
+from etils import epath  # noqa: E402
+
+from flax_transformer.errors import UserError  # noqa: E402
+
+
+class StorageError(UserError):
+  """A location that cannot be reached, read or written."""
+
+
+def is_url(location) -> bool:
+  return '://' in os.fspath(location)
+
+
+def path(location) -> epath.Path:
+  """A local path (made absolute: Orbax and other processes need it so) or a storage URL, as an epath.Path."""
+  location = os.fspath(location)
+  if not location:
+    raise StorageError('an empty path was given; name a file or directory (local or gs://...)')
+  if is_url(location):
+    return epath.Path(location)
+  return epath.Path(os.path.abspath(os.path.expanduser(location)))
+
+
+def _reason(error: Exception) -> str:
+  return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0][:160]}'
+
+
+def check_writable(directory, what: str, fix: str) -> None:
+  """Creates `directory` and writes, reads back and removes a probe in it (one per process), or raises one
+  line naming the location, `what` it is and the `fix`."""
+  directory = path(directory)
+  probe = directory / f'.write_test.{os.uname().nodename}.{os.getpid()}'
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe.write_text('ok')
+    if probe.read_text() != 'ok':
+      raise OSError('the probe read back differs from what was written')
+    probe.unlink()
+  except Exception as error:  # OSError locally; gcsfs and aiohttp raise their own types for URLs
+    raise StorageError(f'{what} {directory} cannot be written ({_reason(error)}); {fix}') from None
+
+
+def write_atomic(location, data: bytes | str) -> None:
+  """Writes a whole file so readers see the old content or the new, never a part: a local file through a
+  temporary name and a rename; an object store's upload is atomic already."""
+  location = path(location)
+  data = data.encode('utf-8') if isinstance(data, str) else data
+  if is_url(location):
+    location.write_bytes(data)
+    return
+  temporary = location.parent / f'.{location.name}.tmp.{os.getpid()}'
+  temporary.write_bytes(data)
+  os.replace(temporary, location)
+
+
+def create_exclusive(location, text: str) -> bool:
+  """Creates the file with `text` unless it exists (atomically, on local disks and object stores alike):
+  True if this call created it."""
+  location = path(location)
+  try:
+    if is_url(location):
+      import fsspec
+      with fsspec.open(os.fspath(location), 'xb') as f:
+        f.write(text.encode('utf-8'))
+    else:
+      descriptor = os.open(location, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+      with os.fdopen(descriptor, 'w') as f:
+        f.write(text)
+  except FileExistsError:
+    return False
+  return True
+
+
+class AppendedFile:
+  """A text file the run appends to (metrics), on any storage: local files are appended to; an object
+  store's object, which cannot be appended to, is rewritten whole from a local copy at each `flush`."""
+
+  def __init__(self, location):
+    self.location = path(location)
+    if is_url(self.location):
+      self._local = tempfile.NamedTemporaryFile('w+', suffix=f'.{self.location.name}', delete=True)
+      if self.location.exists():
+        self._local.write(self.location.read_text())
+      self._file = self._local
+    else:
+      self._local, self._file = None, open(self.location, 'a')
+
+  def write(self, text: str) -> None:
+    self._file.write(text)
+
+  def flush(self) -> None:
+    self._file.flush()
+    if self._local is not None:
+      self._local.seek(0)
+      self.location.write_text(self._local.read())
+
+  def close(self) -> None:
+    self.flush()
+    self._file.close()
+
+
+class MirroredDirectory:
+  """A local directory whose files are copied to `location` at each `sync` (TensorBoard's event files:
+  TensorFlow's own writer cannot reach every store the product can). For a local `location`, that
+  directory itself."""
+
+  def __init__(self, location):
+    self.location = path(location)
+    self.local = tempfile.mkdtemp(prefix='mirror_') if is_url(self.location) else os.fspath(self.location)
+
+  def sync(self) -> None:
+    if not is_url(self.location):
+      return
+    for root, _, files in os.walk(self.local):
+      for name in files:
+        source = os.path.join(root, name)
+        target = self.location / os.path.relpath(source, self.local)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(source, 'rb') as f:
+          target.write_bytes(f.read())
