@@ -20,17 +20,25 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   from flax_transformer import platforms
   platforms.import_tensorflow_quietly()  # before anything else imports it
-  from flax_transformer import train_loop
+  import jax
+  from flax_transformer import cluster, train_loop
   from flax_transformer.errors import UserError
   try:
     train_loop.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except train_loop.CheckpointSaveFailed as error:
+  except cluster.ProcessError as error:  # every process raised it: nothing to tell the others
+    print(f'error: {error}', file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+  except UserError as error:
+    if jax.distributed.is_initialized():  # the others stop too, with this cause (or the peer that died, if one did)
+      cluster.stop_all_after_failure(error)
     print(f'error: {error}', file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)  # not sys.exit: the checkpointer's background threads may never finish after a failed write
-  except UserError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(1)
+  except Exception as error:
+    if jax.distributed.is_initialized():
+      cluster.stop_all_after_failure(error)
+    raise
 
 
 if __name__ == '__main__':

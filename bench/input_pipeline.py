@@ -1,6 +1,8 @@
-"""Input pipeline throughput per CPU core: building the token table, then serving 25k-token batches.
+"""Input pipeline throughput per CPU core: building the token table, then serving 25k-token batches; and
+the time and memory for one process to build its shard of a WMT14-sized split.
 
 python bench/input_pipeline.py [--pairs=200000] [--shards=1,2] [--repeats=3]
+python bench/input_pipeline.py --memory --pairs=4500000 --shards=1,4
 
 A synthetic WMT-like corpus (Zipf words, sentence lengths log-normal around 25 words, longest ~120) is
 written as .gz files and as a tfds-shaped mock (tfds.testing.mock_data, so the tfds code path runs
@@ -9,6 +11,11 @@ without a download). For each source and shard count it times, for shard 0:
   serving      - batches of the global `tokens_per_batch`, as the trainer pulls them.
 Prints a markdown table (medians of --repeats) and, last, one JSON line. docs/scaling.md turns these
 rates into the CPU cores a host needs to feed its accelerators.
+
+--memory: each row in a fresh process (peak RSS is a per-process high-water mark): the seconds and peak
+resident memory for process 0 to build its table of 1/shards of the split (files streamed line by line,
+other shards' lines skipped), beside the same process reading both files whole into Python lists, as a
+reader that loads the split would.
 """
 
 import gzip
@@ -32,6 +39,8 @@ flags.DEFINE_integer('batches', 300, 'Batches served per timing.')
 flags.DEFINE_integer('repeats', 3, 'Timings per row; the table reports the median.')
 flags.DEFINE_integer('tfds_pairs', 20_000, 'Pairs of the tfds mock (generated in Python, so kept smaller).')
 flags.DEFINE_string('workdir', '/tmp/flax_transformer_bench_input', 'Corpus and vocabulary directory.')
+flags.DEFINE_bool('memory', False, 'Time and peak memory of one shard\'s table build, one process per row.')
+flags.DEFINE_string('measure', '', 'Internal: the row to measure in this process (table:SHARDS or lists).')
 
 
 def synthetic_corpus(directory: str, pairs: int, seed: int = 0) -> tuple[str, str]:
@@ -56,7 +65,7 @@ def config_for(source: str, paths: tuple[str, str]):
   from configs import base
   config = base.get_config()
   config.model.vocab_size = 8000
-  config.max_corpus_chars = 2_000_000
+  config.vocab_sample_sentences = 40_000
   if source == 'files':
     config.dataset = 'files'
     config.train_source, config.train_target = paths
@@ -88,6 +97,47 @@ def time_source(source: str, paths, shards: int, vocab_path: str) -> dict:
           'cores': cores}
 
 
+def _peak_rss_gib() -> float:
+  import resource
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # kilobytes on Linux
+
+
+def measure(what: str, paths, vocab_path: str) -> dict:
+  """One --memory row, in this process: {'row', 'seconds', 'peak_rss_gib', ...}."""
+  from flax_transformer import input_pipeline
+  config = config_for('files', paths)
+  baseline = _peak_rss_gib()
+  start = time.perf_counter()
+  if what == 'lists':
+    sources, targets = input_pipeline.read_parallel_files(*paths)
+    result = {'row': 'both files whole as Python lists (no tokenising)', 'pairs': len(sources)}
+  else:
+    shards = int(what.split(':')[1])
+    table = input_pipeline.train_table(config, vocab_path, (0, shards))
+    table_bytes = sum(a.nbytes for side in (table.sources, table.targets) for a in (side.values, side.lengths))
+    result = {'row': f'token table of shard 0 of {shards}', 'pairs': len(table), 'table_gib': table_bytes / 2 ** 30}
+  return {**result, 'seconds': time.perf_counter() - start, 'peak_rss_gib': _peak_rss_gib(),
+          'start_rss_gib': baseline}
+
+
+def memory_rows(paths, vocab_path: str) -> None:
+  import subprocess
+  rows = []
+  for what in [f'table:{n}' for n in flags.FLAGS.shards] + ['lists']:
+    output = subprocess.run([sys.executable, os.path.abspath(__file__), f'--measure={what}',
+                             f'--pairs={flags.FLAGS.pairs}', f'--workdir={flags.FLAGS.workdir}'],
+                            capture_output=True, text=True, check=True).stdout
+    rows.append(json.loads(output.strip().splitlines()[-1]))
+  print(f'CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; {flags.FLAGS.pairs:,} synthetic WMT-shaped pairs')
+  print('| process 0 builds | pairs | seconds | table, GiB | peak RSS, GiB (at start) |')
+  print('|---|---|---|---|---|')
+  for r in rows:
+    table = f"{r['table_gib']:.2f}" if 'table_gib' in r else '-'
+    print(f"| {r['row']} | {r['pairs']:,} | {r['seconds']:.0f} | {table} | {r['peak_rss_gib']:.2f} "
+          f"({r['start_rss_gib']:.2f}) |")
+  print(json.dumps(rows))
+
+
 def main(argv):
   del argv
   import tensorflow_datasets as tfds
@@ -97,6 +147,12 @@ def main(argv):
   files_config = config_for('files', paths)
   _, vocab_path = tokenizer.train_or_load(files_config, flags.FLAGS.workdir,
                                           lambda: input_pipeline.python_pairs(files_config))
+  if flags.FLAGS.measure:
+    print(json.dumps(measure(flags.FLAGS.measure, paths, vocab_path)))
+    return
+  if flags.FLAGS.memory:
+    memory_rows(paths, vocab_path)
+    return
   rows = []
   for shards in map(int, flags.FLAGS.shards):
     rows.append(time_source('files', paths, shards, vocab_path))

@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.test_target = ''
   config.vocab_path = ''  # An existing SentencePiece model; '' trains one into the workdir.
   config.vocab_type = 'bpe'  # §5.1 byte-pair encoding; 'unigram' is the alternative.
-  config.max_corpus_chars = 10_000_000  # Characters sampled to train the vocabulary.
+  config.vocab_sample_sentences = 4_000_000  # Drawn uniformly from both sides of the whole split (SentencePiece's memory grows with it).
   config.max_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.
   config.eval_max_length = 256  # Longest eval sentence kept whole; longer ones are truncated and counted.
   config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch (global: all processes and devices).

@@ -14,7 +14,7 @@ def get_config():
   config.model.max_len = 128
   config.max_length = 32
   config.eval_max_length = 64
-  config.max_corpus_chars = 100_000
+  config.vocab_sample_sentences = 10_000
   config.tokens_per_batch = 256
   config.eval_tokens_per_batch = 256
   config.num_bucket_boundaries = 4

@@ -10,12 +10,16 @@ Layout of a workdir:
 
 import dataclasses
 import json
+import os
+import re
+import sys
+import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from flax_transformer import storage
+from flax_transformer import cluster, storage
 from flax_transformer.errors import UserError, WorkdirError
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -29,8 +33,11 @@ def checkpoint_dir(workdir: str):
 
 
 def create_manager(workdir: str, keep: int, asynchronous: bool = True) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                         enable_async_checkpointing=asynchronous)
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous,
+      # The step's folder is made before save() returns, so a folder that cannot be made fails that call at
+      # once (made in the background, it fails in a thread the run then waits 300 s for).
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
 
 
@@ -77,10 +84,25 @@ def save_state(manager: ocp.CheckpointManager, state, data_state: dict | None = 
 
 
 def restore_data_state(manager: ocp.CheckpointManager, step: int) -> dict | None:
-  """This process's data-iterator state saved with checkpoint `step`, or None if it has none."""
-  if not (storage.path(manager.directory) / str(step) / 'data').is_dir():
+  """This process's data-iterator state saved with checkpoint `step`, or None if it has none. Read without
+  Orbax (whose restore ends in a barrier): each process reads its own file, and a damaged one is met by that
+  process alone."""
+  directory = storage.path(manager.directory) / str(step) / 'data'
+  if not directory.is_dir():
     return None
-  return manager.restore(step, args=ocp.args.Composite(data=DataStateRestore()))['data']
+  return DataStateHandler().restore(directory)
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, args):
+  """manager.restore, except that a process whose read fails still joins the barrier that ends Orbax's
+  restore, where the other processes wait for it; then the processes can agree on what happened."""
+  try:
+    return manager.restore(step, args=args)
+  except Exception:
+    if jax.process_count() > 1:
+      from orbax.checkpoint._src.multihost import multihost
+      multihost.sync_global_processes(multihost.unique_barrier_key('Checkpointer:restore'))
+    raise
 
 
 def _abstract(tree, shardings):
@@ -89,7 +111,7 @@ def _abstract(tree, shardings):
 
 def restore_state(manager: ocp.CheckpointManager, step: int, state, state_shardings):
   """The train state at `step`, laid out like `state` (which is only used for shapes and shardings)."""
-  restored = manager.restore(step, args=ocp.args.Composite(
+  restored = _restore(manager, step, ocp.args.Composite(
       params=ocp.args.StandardRestore(_abstract(state.params, state_shardings.params)),
       opt_state=ocp.args.StandardRestore(_abstract(state.opt_state, state_shardings.opt_state))))
   return state.replace(step=jax.device_put(np.asarray(step, np.int32), state_shardings.step),
@@ -97,33 +119,103 @@ def restore_state(manager: ocp.CheckpointManager, step: int, state, state_shardi
 
 
 class CheckpointDamaged(UserError):
-  """The latest checkpoint cannot be restored and cannot be set aside automatically."""
+  """No checkpoint of the workdir can be restored."""
+
+
+class CheckpointRestoreFailed(UserError):
+  """A checkpoint could not be read for a reason other than damage (storage unreachable, out of memory)."""
+
+
+# What damaged files raise: missing or truncated files, undecodable data. Anything else (a storage error, out of
+# memory) says nothing about the checkpoint and must not move it aside.
+_DAMAGE_TYPES = (FileNotFoundError, KeyError, EOFError, json.JSONDecodeError, UnicodeDecodeError)
+_DAMAGE_WORDS = re.compile(r'DATA_LOSS|NOT_FOUND|[Nn]ot found|No such file|[Tt]runcat|[Cc]orrupt|[Uu]nexpected end|'
+                           r'end of (file|data|stream)|[Cc]hecksum|[Ii]nvalid|[Ff]ailed to decode|[Ee]rror decoding|'
+                           r'[Mm]alformed|does not exist|[Mm]issing')
+RESTORE_ATTEMPTS = 3
+
+
+def is_damage(error: BaseException) -> bool:
+  """Whether `error` (or an error it was raised from) says the checkpoint's files are damaged."""
+  while error is not None:
+    if isinstance(error, _DAMAGE_TYPES) or (not isinstance(error, (MemoryError, ConnectionError, TimeoutError))
+                                            and _DAMAGE_WORDS.search(str(error))):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _reason(error: BaseException) -> str:
+  return f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:160]}'
+
+
+def _set_aside(path) -> str:
+  """Renames a damaged checkpoint to <step>.corrupt (or .corrupt.2, ... if that name is taken); returns it."""
+  target, n = storage.path(f'{path}.corrupt'), 1
+  while target.exists():
+    n += 1
+    target = storage.path(f'{path}.corrupt.{n}')
+  path.rename(target)
+  return os.fspath(target)
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_data_state: bool = True):
   """(state, data state or None, step) of the newest checkpoint that restores; (state, None, None) if none.
 
-  A checkpoint that fails to restore (a truncated array file, a missing item, a damaged data state) is
-  reported in one line and moved aside to `checkpoints/<step>.corrupt`, never deleted; the next older one
-  is tried. With several processes the damaged one is named instead (they could disagree on it).
+  Every process reads the checkpoint, and the processes agree on the outcome (cluster.agree) before going on:
+  a checkpoint that is damaged on any process (a truncated array file, a missing item, a damaged data state)
+  is reported in one line on stderr and moved aside to `checkpoints/<step>.corrupt` by process 0, never
+  deleted, and every process tries the next older one. Other errors are retried, then stop every process
+  with nothing renamed; so does a workdir whose every checkpoint is damaged. The restored step is compared
+  across processes.
   """
-  while (step := manager.latest_step()) is not None:
-    try:
-      restored = restore_state(manager, step, state, state_shardings)
-      data_state = restore_data_state(manager, step) if with_data_state else None
+  set_aside = []
+  while True:
+    step = manager.latest_step()
+    steps = cluster.agree(f'restore/latest/{len(set_aside)}', value=str(step))
+    if len(set(steps)) > 1:
+      raise CheckpointRestoreFailed(f'the processes see different newest checkpoints in {manager.directory} '
+                                    f'({", ".join(f"process {p}: {s}" for p, s in enumerate(steps))}); the workdir '
+                                    f'must be one storage location every process reads (e.g. gs://...)')
+    if step is None:
+      break
+    outcome, restored = '', None
+    for attempt in range(RESTORE_ATTEMPTS):
+      try:
+        restored = restore_state(manager, step, state, state_shardings)
+        data_state = restore_data_state(manager, step) if with_data_state else None
+        outcome = ''
+        break
+      except UserError:
+        raise
+      except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
+        outcome = ('damaged: ' if is_damage(error) else 'failed: ') + _reason(error)
+        if outcome.startswith('damaged') or attempt == RESTORE_ATTEMPTS - 1:
+          break
+        time.sleep(2 ** attempt)
+    outcomes = cluster.agree(f'restore/{step}/{len(set_aside)}', value=outcome)
+    path = storage.path(manager.directory) / str(step)
+    failed = [(p, o) for p, o in enumerate(outcomes) if o.startswith('failed')]
+    if failed:
+      where = f' on process {failed[0][0]}' if len(outcomes) > 1 else ''
+      raise CheckpointRestoreFailed(f'checkpoint {path} could not be read{where} ({failed[0][1][8:]}) after '
+                                    f'{RESTORE_ATTEMPTS} attempts; it is not damaged as far as that error says, so '
+                                    f'nothing was renamed; rerun once the storage (or memory) problem is fixed')
+    damaged = [(p, o) for p, o in enumerate(outcomes) if o]
+    if not damaged:
       return restored, data_state, step
-    except UserError:
-      raise
-    except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
-      path = storage.path(manager.directory) / str(step)
-      reason = f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:160]}'
-      if jax.process_count() > 1:
-        raise CheckpointDamaged(f'checkpoint {path} cannot be restored ({reason}); move it aside (mv {path} '
-                                f'{path}.corrupt) and rerun to resume from the one before') from None
-      path.rename(f'{path}.corrupt')
-      print(f'checkpoint {step} cannot be restored ({reason}); moved to {path}.corrupt, trying the one before',
-            flush=True)
-      manager.reload()
+    where = f' on process {damaged[0][0]}' if len(outcomes) > 1 else ''
+    if jax.process_index() == 0:
+      moved = _set_aside(path)
+      print(f'checkpoint {step} cannot be restored{where} ({damaged[0][1][9:]}); moved to {moved}, trying the one '
+            f'before', file=sys.stderr, flush=True)
+    cluster.agree(f'restore/{step}/{len(set_aside)}/moved')  # every process waits for the rename
+    set_aside.append(step)
+    manager.reload()
+  if set_aside:
+    raise CheckpointDamaged(f'every checkpoint in {manager.directory} is damaged (steps {set_aside} were moved aside '
+                            f'as <step>.corrupt); the run stopped rather than train again from step 0; to start '
+                            f'over, use a new --workdir')
   return state, None, None
 
 
@@ -180,6 +272,8 @@ def check_workdir(workdir: str, config) -> None:
   """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""
   try:  # one probe per process: the processes of a multi-host run check the same (shared) workdir at once
     storage.check_writable(workdir, 'workdir', 'choose another --workdir')
+    storage.check_writable(checkpoint_dir(workdir), 'the checkpoints folder of workdir',
+                           'make it writable or choose another --workdir')
   except storage.StorageError as error:
     raise WorkdirError(str(error)) from None
   path = storage.path(workdir) / CONFIG_FILENAME

@@ -14,12 +14,17 @@ dies is noticed by the others within `config.heartbeat_timeout_seconds`.
 """
 
 import dataclasses
+import json
 import os
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Mapping
 
 import jax
 
-from flax_transformer.errors import ConfigError
+from flax_transformer.errors import ConfigError, UserError
 
 TPU_HOSTS_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES')
 SLURM_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
@@ -83,3 +88,130 @@ def start(config) -> ClusterStart:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # collectives of CPU devices (tests, CPU clusters)
     jax.distributed.initialize(**found.arguments)
   return found
+
+
+# --- One failure stops every process ----------------------------------------------------------
+# JAX's own heartbeat ends a process whose peer died with a C++ abort after `heartbeat_timeout_seconds`.
+# Before that, every process beats a counter in the coordination service's key-value store each second
+# and watches the others': a peer silent for half the heartbeat timeout is named and this process exits 1.
+# A process that stops on an error posts it there first, so every process exits with the same cause.
+
+_KEYS = 'flax_transformer'
+_watch = None
+
+
+def _stop(line: str) -> None:
+  sys.stdout.flush()
+  print(f'error: {line}', file=sys.stderr, flush=True)
+  os._exit(1)  # not sys.exit: threads waiting in collectives or Orbax would keep the process alive
+
+
+class PeerWatch(threading.Thread):
+  """Beats this process's counter and watches the others' counters and posted errors, once a second."""
+
+  def __init__(self, client, silence_seconds: float):
+    super().__init__(name='peer-watch', daemon=True)
+    self.client, self.silence_seconds = client, silence_seconds
+    self.process, self.count = jax.process_index(), jax.process_count()
+    self.stopping = False  # this process posted its own error: the others must read it, not be named dead
+
+  def run(self):
+    beats, seen, unreachable_since = 0, {}, None
+    while True:
+      now = time.monotonic()
+      try:
+        beats += 1
+        self.client.key_value_set(f'{_KEYS}/alive/{self.process}', str(beats), True)
+        for key, message in self.client.key_value_dir_get(f'{_KEYS}/error/'):
+          process = int(key.rsplit('/', 1)[-1])
+          if process != self.process and not self.stopping:
+            _stop(f'process {process} of {self.count}: {message}')
+        for peer in range(self.count):
+          if peer != self.process:
+            value = _try_get(self.client, f'{_KEYS}/alive/{peer}')
+            if value is not None and value != seen.get(peer, (None,))[0]:
+              seen[peer] = (value, now)
+            elif peer in seen and now - seen[peer][1] > self.silence_seconds and not self.stopping:
+              _stop(f'process {peer} of {self.count} stopped responding {self.silence_seconds:.0f} s ago (killed, '
+                    f'preempted or hung); this process stops too; process {peer}\'s log holds the cause')
+        unreachable_since = None
+      except Exception as error:  # the coordination service itself (on process 0) is gone
+        unreachable_since = unreachable_since or now
+        if now - unreachable_since > self.silence_seconds and not self.stopping:
+          _stop(f'the coordination service on process 0 cannot be reached ({type(error).__name__}); process 0 '
+                f'stopped (its log holds the cause) and this process stops too')
+      time.sleep(1.0)
+
+
+def _try_get(client, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # not set yet
+    return None
+
+
+def watch_peers(config) -> None:
+  """Starts the PeerWatch of a multi-process run (once per process)."""
+  global _watch
+  if jax.process_count() > 1 and _watch is None:
+    from jax._src import distributed
+    _watch = PeerWatch(distributed.global_state.client, config.heartbeat_timeout_seconds / 2)
+    _watch.start()
+
+
+def stop_all(message: str) -> None:
+  """Stops this process on `message`, and with it every other process, which all print the same cause."""
+  if _watch is None:
+    _stop(message)
+  _watch.stopping = True
+  line = f'process {_watch.process} of {_watch.count}: {message}'
+  try:
+    _watch.client.key_value_set(f'{_KEYS}/error/{_watch.process}', message.replace('\n', ' '), True)
+    time.sleep(3.0)  # the others read it within a second; the coordination service lives in process 0
+  except Exception:
+    pass
+  _stop(line)
+
+
+def stop_all_after_failure(error: Exception) -> None:
+  """Stops every process after an error on this one. A failed collective or save is often the symptom of a
+  peer that died: the PeerWatch is given the time to name it first; else this error is the cause (a
+  UserError's one line, or any other error's traceback and first line)."""
+  if _watch is None:
+    return
+  time.sleep(_watch.silence_seconds + 3)
+  if isinstance(error, UserError):
+    stop_all(str(error))
+  traceback.print_exception(error)
+  stop_all(f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0][:300]}')
+
+
+def agree(name: str, error: Exception | None = None, value: str = '') -> list[str]:
+  """Every process's `value` at point `name` (a key-value all-gather, no device collective); if any
+  process passes an `error`, every process raises the same ProcessError naming it."""
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return [value]
+  from jax._src import distributed
+  client, process, count = distributed.global_state.client, jax.process_index(), jax.process_count()
+  failure = '' if error is None else f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
+  client.key_value_set(f'{_KEYS}/agree/{name}/{process}', json.dumps([failure, value]), True)
+  posted = [json.loads(client.blocking_key_value_get(f'{_KEYS}/agree/{name}/{p}', AGREE_TIMEOUT_MS))
+            for p in range(count)]
+  failed = [(p, f) for p, (f, _) in enumerate(posted) if f]
+  if failed:
+    p, first = failed[0]
+    raise ProcessError(p, count, first, error if failed[0][0] == process else None)
+  return [v for _, v in posted]
+
+
+AGREE_TIMEOUT_MS = 4 * 3600 * 1000  # as long as the slowest process may take to get there (the vocabulary)
+
+
+class ProcessError(UserError):
+  """An error one process met, raised on every process."""
+
+  def __init__(self, process: int, count: int, message: str, original: Exception | None = None):
+    super().__init__(f'process {process} of {count}: {message}')
+    self.original = original

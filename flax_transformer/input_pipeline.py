@@ -29,6 +29,7 @@ Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
 """
 import dataclasses
 import gzip
+import itertools
 import json
 import os
 import re
@@ -38,7 +39,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import bucketing, storage
+from flax_transformer import bucketing, cluster, storage
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import UserError
 
@@ -77,14 +78,53 @@ def decode_lines(data: bytes, name: str) -> list[str]:
   return out
 
 
-def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
-  sources, targets = read_lines(source_path), read_lines(target_path)
-  if len(sources) != len(targets):
-    raise DataError(f'{source_path} has {len(sources)} lines but {target_path} has {len(targets)}; '
-                    f'parallel files must have one sentence per line, line for line')
-  if not sources:
+def _check_file(path: str) -> None:
+  if not path:
+    raise DataError('a data file path is empty; set the config.*_source / config.*_target paths')
+  if not storage.path(path).exists():
+    raise DataError(f'data file {path} does not exist; check the path (override with --config.<field>=PATH)')
+
+
+def _raw_lines(path: str):
+  """The lines of a plain or gzipped file as bytes, without line ends, streamed (never the whole file)."""
+  with storage.path(path).open('rb') as raw:
+    stream = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
+    for line in stream:
+      yield line.rstrip(b'\n').rstrip(b'\r')
+
+
+def _utf8(line: bytes, path: str, number: int) -> bytes:
+  try:
+    line.decode('utf-8')
+  except UnicodeDecodeError as error:
+    raise DataError(f'{path}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
+                    f're-encode the file as UTF-8') from None
+  return line
+
+
+def parallel_lines(source_path: str, target_path: str, shard: tuple[int, int] = (0, 1)):
+  """(source, target) UTF-8 bytes of every count-th line pair from the index-th (shard = (index, count)),
+  read line by line from both files at once; the lines of other shards are skipped as they are read."""
+  index, count = shard
+  for path in (source_path, target_path):
+    _check_file(path)
+  sources, targets, number = _raw_lines(source_path), _raw_lines(target_path), 0
+  for number, (source, target) in enumerate(itertools.zip_longest(sources, targets), 1):
+    if source is None or target is None:  # one file ended first: count the other's lines for the message
+      longer = sum(1 for _ in (targets if source is None else sources)) + number
+      lengths = (number - 1, longer) if source is None else (longer, number - 1)
+      raise DataError(f'{source_path} has {lengths[0]} lines but {target_path} has {lengths[1]}; '
+                      f'parallel files must have one sentence per line, line for line')
+    if (number - 1) % count == index:
+      yield _utf8(source, source_path, number), _utf8(target, target_path, number)
+  if number == 0:
     raise DataError(f'{source_path} is empty; a corpus needs at least one sentence pair')
-  return sources, targets
+
+
+def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
+  """Both files whole, as lists of lines (for inspection and small files; training streams them)."""
+  pairs = [(s.decode('utf-8'), t.decode('utf-8')) for s, t in parallel_lines(source_path, target_path)]
+  return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def _split_paths(config, split: str) -> tuple[str, str]:
@@ -119,42 +159,60 @@ def _tfds_split(config, split: str) -> str:
   return {'train': config.train_split, 'eval': config.eval_split, 'test': config.test_split}[split]
 
 
-def text_pairs(config, split: str, shard: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
-  """(source, target) string pairs of `split` ('train', 'eval' or 'test'), in file order.
+def text_pairs(config, split: str, shard: tuple[int, int] = (0, 1)):
+  """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file order.
 
-  shard = (index, count): every count-th pair from the index-th, so the shards are disjoint and cover the
-  split. (Each process reads the whole split once, at start-up, and tokenises only its shard.)
+  shard = (index, count): this process's 1/count of the split, disjoint from the other shards and together
+  covering it. Text files: every count-th line pair from the index-th, streamed (other lines skipped as they
+  are read). tfds: the index-th of `count` even sub-splits (tfds.even_splits), the only examples decoded.
   """
-  index, count = shard
   if config.dataset == 'files':
-    sources, targets = read_parallel_files(*_split_paths(config, split))
-    dataset = tf.data.Dataset.from_tensor_slices((sources, targets))
-  else:
-    builder = _tfds_builder(config)
-    try:
-      dataset = builder.as_dataset(split=_tfds_split(config, split), shuffle_files=False)
-    except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
-      raise _not_prepared(config, builder) from None
-    dataset = dataset.map(lambda ex: (ex[config.source_lang], ex[config.target_lang]))
-  return dataset.shard(count, index) if count > 1 else dataset
+    yield from parallel_lines(*_split_paths(config, split), shard)
+    return
+  import tensorflow_datasets as tfds
+  builder = _tfds_builder(config)
+  index, count = shard
+  name = _tfds_split(config, split)
+  try:
+    dataset = builder.as_dataset(split=tfds.even_splits(name, n=count)[index] if count > 1 else name,
+                                 shuffle_files=False)
+  except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
+    raise _not_prepared(config, builder) from None
+  source_lang, target_lang = config.source_lang, config.target_lang
+  for example in dataset.map(lambda ex: (ex[source_lang], ex[target_lang])).as_numpy_iterator():
+    yield example
 
 
 def python_pairs(config, split: str = 'train'):
   """Iterator of (source, target) Python strings, e.g. to train the vocabulary."""
-  for source, target in text_pairs(config, split).as_numpy_iterator():
+  for source, target in text_pairs(config, split):
     yield source.decode('utf-8'), target.decode('utf-8')
 
 
 # --- Tokenisation into in-memory tables ----------------------------------------------------------
 
-def tokenize(dataset: tf.data.Dataset, vocab_path: str, batch_size: int = 1024) -> tf.data.Dataset:
-  """String pairs -> batches of (source, target) ragged int32 ids ending in EOS, with tensorflow-text's op."""
+def tokenize(pairs, vocab_path: str, batch_size: int = 1024):
+  """(source, target) string pairs -> batches of (source, target) ragged int32 ids ending in EOS, with
+  tensorflow-text's op, batched so one call encodes many sentences, in parallel across cores. An error met
+  while reading `pairs` (a DataError) is raised as itself once the batches before it are out."""
   import tensorflow_text as tf_text
-  model = storage.path(vocab_path).read_bytes()
-  tokenizer = tf_text.SentencepieceTokenizer(model=model, add_eos=True)
-  # Batched so one op call encodes many sentences; parallel across cores.
-  return (dataset.batch(batch_size)
-          .map(lambda s, t: (tokenizer.tokenize(s), tokenizer.tokenize(t)), num_parallel_calls=tf.data.AUTOTUNE))
+  tokenizer = tf_text.SentencepieceTokenizer(model=storage.path(vocab_path).read_bytes(), add_eos=True)
+  errors = []
+
+  def batches():
+    iterator = iter(pairs)
+    try:
+      while batch := list(itertools.islice(iterator, batch_size)):
+        yield [p[0] for p in batch], [p[1] for p in batch]
+    except UserError as error:  # tf.data would turn it into an op error without its message
+      errors.append(error)
+
+  strings = tf.TensorSpec([None], tf.string)
+  dataset = tf.data.Dataset.from_generator(batches, output_signature=(strings, strings))
+  yield from dataset.map(lambda s, t: (tokenizer.tokenize(s), tokenizer.tokenize(t)),
+                         num_parallel_calls=tf.data.AUTOTUNE)
+  if errors:
+    raise errors[0]
 
 
 @dataclasses.dataclass
@@ -194,11 +252,11 @@ class TokenTable:
     return np.bincount(cells, minlength=(max_length + 1) ** 2).reshape(max_length + 1, max_length + 1)
 
 
-def token_table(dataset: tf.data.Dataset, vocab_path: str, max_length: int, truncate: bool = False) -> TokenTable:
+def token_table(pairs, vocab_path: str, max_length: int, truncate: bool = False) -> TokenTable:
   """Tokenises string pairs into a table. Pairs with a side over `max_length` tokens are dropped and
   counted, or with `truncate` cut to `max_length` tokens ending in EOS (evaluation: every sentence kept)."""
   parts = {'sources': ([], []), 'targets': ([], [])}
-  for batch in tokenize(dataset, vocab_path):
+  for batch in tokenize(pairs, vocab_path):
     for (values, lengths), ragged in zip(parts.values(), batch):
       values.append(ragged.flat_values.numpy())
       lengths.append(ragged.row_lengths().numpy())
@@ -355,7 +413,12 @@ def _sum_over_shards(values: np.ndarray, shard: tuple[int, int]) -> np.ndarray:
 def process_train_batches(config, vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
                           seed: int, state: dict | None = None) -> TrainBatches:
   """This process's training batches in a run of any number of processes (collective: call on all)."""
-  table = train_table(config, vocab_path, shard)
+  table, error = None, None
+  try:
+    table = train_table(config, vocab_path, shard)
+  except UserError as raised:  # a shard without usable data, a file only this process cannot read...
+    error = raised
+  cluster.agree('training data', error)  # every process stops on it, before the collective below
   size = config.max_length + 1
   totals = _sum_over_shards(np.concatenate([[table.dropped], table.histogram(config.max_length).ravel()]), shard)
   plan = train_plan(config, totals[1:].reshape(size, size), int(totals[0]), data_parallel_size)

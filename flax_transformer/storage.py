@@ -19,7 +19,11 @@ if os.environ.get('STORAGE_EMULATOR_HOST'):
   os.environ.setdefault('TENSORSTORE_GCS_HTTP_URL', os.environ['STORAGE_EMULATOR_HOST'])
   os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')  # its bucket probe speaks gRPC to real GCS only
 
+import fsspec  # noqa: E402
 from etils import epath  # noqa: E402
+
+for _protocol in ('gs', 'gcs', 's3'):  # other processes change the same folders: list them anew every time
+  fsspec.config.conf.setdefault(_protocol, {}).setdefault('use_listings_cache', False)
 
 from flax_transformer.errors import UserError  # noqa: E402
 

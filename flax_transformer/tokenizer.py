@@ -22,21 +22,18 @@ class VocabularyError(UserError):
   """A vocabulary that cannot be used with this run's configuration."""
 
 
-def _sample_sentences(pairs: Iterable[tuple[str, str]], max_chars: int):
-  """Both sides of the first pairs, up to `max_chars` characters (the trainer shuffles within them)."""
-  total = 0
+def _sentences(pairs: Iterable[tuple[str, str]]):
+  """Both sides of every pair, for SentencePiece to sample from."""
   for source, target in pairs:
     for text in (source, target):
       if text:
-        total += len(text)
         yield text
-    if total >= max_chars:
-      return
 
 
 def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size: int, model_type: str = 'bpe',
-                        max_corpus_chars: int = 10_000_000) -> str:
-  """Trains one model on both languages and writes it atomically to `path`."""
+                        sample_sentences: int = 4_000_000) -> str:
+  """Trains one model on both languages and writes it atomically to `path`: SentencePiece reads every
+  sentence of `pairs` and trains on a uniform sample of `sample_sentences` of them (all, if fewer)."""
   if model_type not in ('bpe', 'unigram'):
     raise VocabularyError(f"config.vocab_type={model_type!r}: use 'bpe' or 'unigram'")
   storage.path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -44,10 +41,10 @@ def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size:
     prefix = os.path.join(scratch, 'spm')
     try:
       spm.SentencePieceTrainer.train(
-          sentence_iterator=_sample_sentences(pairs, max_corpus_chars), model_prefix=prefix,
+          sentence_iterator=_sentences(pairs), model_prefix=prefix,
           vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
           pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1,
-          shuffle_input_sentence=True, input_sentence_size=10_000_000, minloglevel=2)
+          shuffle_input_sentence=True, input_sentence_size=sample_sentences, minloglevel=2)
     except RuntimeError as error:
       first_line = str(error).strip().splitlines()[-1]
       raise VocabularyError(f'cannot train a {vocab_size}-piece vocabulary on this corpus ({first_line}); '
@@ -82,10 +79,11 @@ def train_or_load(config, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProc
     return load(config.vocab_path, vocab_size), config.vocab_path
   path = storage.path(workdir) / VOCAB_FILENAME
   if not path.exists():
-    print(f'training a {vocab_size:,}-piece {config.vocab_type} vocabulary on up to {config.max_corpus_chars:,} '
-          f'characters of the training text (once per workdir)...', flush=True)
+    print(f'training a {vocab_size:,}-piece {config.vocab_type} vocabulary on a sample of up to '
+          f'{config.vocab_sample_sentences:,} sentences drawn across the training split (once per workdir)...',
+          flush=True)
     start = time.perf_counter()
-    train_sentencepiece(pairs_fn(), path, vocab_size, config.vocab_type, config.max_corpus_chars)
+    train_sentencepiece(pairs_fn(), path, vocab_size, config.vocab_type, config.vocab_sample_sentences)
     print(f'vocabulary trained in {time.perf_counter() - start:.0f} s: {path}', flush=True)
   return load(path, vocab_size), os.fspath(path)
 

@@ -22,8 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from flax_transformer import (checkpointing, cluster, evaluation, input_pipeline, optim, partitioning, platforms,
-                              steps, storage, tokenizer)
-from flax_transformer.errors import ConfigError, UserError
+                              run_lock, steps, storage, tokenizer)
+from flax_transformer.errors import ConfigError, UserError, WorkdirError
 from flax_transformer.model import TransformerConfig
 
 METRICS_FILENAME = 'train_metrics.jsonl'
@@ -183,6 +183,7 @@ class Run:
   learning_rate: Any  # optax schedule, by update count
   dropout_rng: Any
   data_shard: partitioning.DataShard  # the rows of every batch this process feeds
+  lock: run_lock.RunLock | None  # the workdir's lock (process 0)
 
   @functools.cached_property
   def batch_sharding(self):
@@ -219,10 +220,12 @@ def _resume(config, workdir: str, state, state_shardings, manager):
 
 
 def set_up(config, workdir: str, devices=None) -> Run:
-  """Checks, mesh, vocabulary, train state (resumed if the workdir has a checkpoint), data and jitted steps."""
+  """Checks, the workdir's lock, mesh, vocabulary, train state (resumed if the workdir has a checkpoint),
+  data and jitted steps."""
   enable_compilation_cache()
   platforms.import_tensorflow_quietly()
   cluster_kind = cluster.start(config).kind
+  cluster.watch_peers(config)
   platforms.check(config.platform)
   check_config(config)
   model_config = TransformerConfig.from_config(config)
@@ -231,6 +234,23 @@ def set_up(config, workdir: str, devices=None) -> Run:
   mesh = partitioning.create_mesh(config.mesh_shape, devices)
   partitioning.check_model_fits_mesh(model_config, mesh)  # before the vocabulary's minute, not after
   shard = partitioning.data_shard(mesh.devices)
+  lock, lock_error = None, None
+  if is_chief:  # before anything is written to the workdir
+    try:
+      lock = run_lock.RunLock(workdir).acquire()
+    except WorkdirError as error:
+      lock_error = error
+  cluster.agree('workdir lock', lock_error)
+  try:
+    return _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind)
+  except BaseException:
+    if lock is not None:
+      lock.release()
+    raise
+
+
+def _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind) -> Run:
+  """set_up's part after the workdir is locked."""
   processor, vocab_path = _vocabulary(config, workdir, is_chief)
   if is_chief:
     checkpointing.write_config(workdir, config)
@@ -256,7 +276,7 @@ def set_up(config, workdir: str, devices=None) -> Run:
       mesh, state_shardings.params)
   return Run(config, workdir, is_chief, model_config, mesh, processor, vocab_path, state, state_shardings, manager,
              start_step, train_iter, train_step, eval_step,
-             optim.learning_rate(config, model_config.d_model), dropout_rng, shard)
+             optim.learning_rate(config, model_config.d_model), dropout_rng, shard, lock)
 
 
 class MetricsLog:
@@ -305,9 +325,14 @@ class Saver:
 
   def _failure(self, step, error) -> CheckpointSaveFailed:
     self.failed = True  # Orbax's threads may wait forever now: the run exits without closing them
+    try:
+      saved = [s for s in checkpointing.available_steps(self.workdir) if s < step]
+      intact = f'checkpoint {saved[-1]} is the newest intact one' if saved else 'no earlier checkpoint exists'
+    except Exception:  # the storage itself may be what failed
+      intact = 'earlier checkpoints were not checked'
     return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {self.workdir} failed '
                                 f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
-                                f'and earlier checkpoints are intact')
+                                f'and {intact}')
 
   def check(self) -> None:
     """Raises for a failed asynchronous save, at the first step after it failed."""
@@ -429,6 +454,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
     stop.restore()
     saver.close()
     log.close()
+    if run.lock is not None:
+      run.lock.release()
 
 
 def _train(run: Run, log: MetricsLog, saver: Saver, stop: '_StopSignal') -> dict:

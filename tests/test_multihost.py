@@ -41,25 +41,29 @@ def _commands(workdir, corpus, extra=()):
 
 
 def _run(commands, kill_after_step=None, workdir=None, env=None, cwd=None):
-  """Runs both processes; with `kill_after_step`, kill -9 process 1 once that step is logged and a
-  checkpoint is on disk (process 0 then fails in its next collective, or is killed after 10 s, as a
-  scheduler tears down a job). Returns the processes and their outputs."""
+  """Runs both processes; with `kill_after_step`, kill -9 process 1 once that step is logged and two
+  checkpoints are written (process 0 must then stop by itself within 60 s). Returns the processes, their
+  outputs and the seconds process 0 took to exit after the kill."""
   processes = [subprocess.Popen(c, env=env or subprocess_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, cwd=cwd) for c in commands]
+  exit_seconds, head = None, ''
   if kill_after_step is not None:
     for line in processes[0].stdout:
+      head += line
       if line.startswith(f'step {kill_after_step}/'):
         deadline = time.time() + 60
-        while not checkpointing.available_steps(workdir) and time.time() < deadline:
+        while len(checkpointing.available_steps(workdir)) < 2 and time.time() < deadline:
           time.sleep(0.05)
         processes[1].kill()  # one host dies
+        killed_at = time.time()
         break
     try:
-      processes[0].wait(timeout=10)
+      processes[0].wait(timeout=60)
+      exit_seconds = time.time() - killed_at
     except subprocess.TimeoutExpired:
       processes[0].kill()
   outputs = [p.communicate(timeout=600)[0] for p in processes]
-  return processes, outputs
+  return processes, [head + outputs[0], outputs[1]], exit_seconds
 
 
 @pytest.fixture(scope='module')
@@ -73,7 +77,7 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope='module')
 def reference(corpus, tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('reference'))
-  processes, outputs = _run(_commands(workdir, corpus))
+  processes, outputs, _ = _run(_commands(workdir, corpus))
   assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
   return workdir, outputs
 
@@ -87,14 +91,18 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
   env, cwd = {**subprocess_env(4), **gcs}, tmp_path / 'cwd'
   cwd.mkdir()
   commands = _commands(killed, bucket_corpus)
-  processes, outputs = _run(commands, kill_after_step=9, workdir=killed, env=env, cwd=cwd)  # after checkpoint 8, before the first evaluation
+  processes, outputs, exit_seconds = _run(commands, kill_after_step=17, workdir=killed, env=env, cwd=cwd)  # after checkpoint 16
   assert processes[1].returncode == -signal.SIGKILL
-  print('process 0 after process 1 was killed: exit status', processes[0].returncode)
-  restored_from = checkpointing.available_steps(killed)[-1]
-  assert 8 <= restored_from < STEPS
-  processes, outputs = _run(commands, env=env, cwd=cwd)
+  print(f'process 0 exited {exit_seconds} s after process 1 was killed:', outputs[0].strip().splitlines()[-1])
+  assert processes[0].returncode == 1 and exit_seconds < 60
+  assert outputs[0].strip().splitlines()[-1].startswith('error: process 1 of 2 stopped responding')
+  assert checkpointing.available_steps(killed)[:2] == [8, 16]
+  data_state = storage.path(killed) / 'checkpoints' / '16' / 'data' / 'process_1.json'
+  data_state.write_text(data_state.read_text()[:20])  # damage that process 1 alone reads
+  processes, outputs, _ = _run(commands, env=env, cwd=cwd)
   assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-  assert f'resumed from step {restored_from}' in outputs[0] and 'restarts' not in outputs[0]
+  assert 'checkpoint 16 cannot be restored on process 1 (JSONDecodeError' in outputs[0]
+  assert all('resumed from step 8' in output and 'restarts' not in output for output in outputs)  # both fall back
   comparison = compare_runs.compare(expected_dir, killed)
   print(comparison)
   assert comparison['last_step'] == STEPS and comparison['differing_steps'] == []

@@ -9,12 +9,14 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import pytest
 import tensorflow_datasets as tfds
 
 from tools import compare_runs
-from flax_transformer import checkpointing, train_loop
+from flax_transformer import checkpointing, partitioning, train_loop
 from flax_transformer.errors import WorkdirError
+from flax_transformer.model import TransformerConfig
 from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, subprocess_env, train_command
 from tests.test_input_pipeline import write_corpus
 
@@ -112,10 +114,35 @@ def test_exact_resume_after_sigkill(trained_run, tmp_path):
   assert 3 <= restored_from < steps
   result = subprocess.run(command(killed), env=subprocess_env(), check=True, capture_output=True, text=True, timeout=600)
   assert f'resumed from step {restored_from}' in result.stdout
+  assert 'taking over the lock of workdir' in result.stderr and 'is no longer running' in result.stderr
   expected, resumed = compare_runs.read_run(reference)[0], compare_runs.read_run(killed)[0]
   assert sorted(expected) == list(range(1, steps + 1))
   for step in range(restored_from + 1, steps + 1):  # every step after the restored checkpoint, bitwise
     assert resumed[step] == expected[step], (step, resumed[step], expected[step])
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_busy_workdir_is_refused_and_writes_nothing(corpus, tmp_path):
+  workdir = str(tmp_path / 'busy')
+  command = train_command(workdir, corpus, steps=100_000) + ['--config.checkpoint_every_steps=1000']
+  first = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for line in first.stdout:
+    if line.startswith('step 1/'):
+      break
+  metrics = os.path.join(workdir, train_loop.METRICS_FILENAME)
+  second = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  first.send_signal(signal.SIGTERM)
+  output = first.communicate(timeout=300)[0]
+  errors = [line for line in second.stderr.splitlines() if line.startswith('error: ')]
+  assert second.returncode == 1 and len(errors) == 1, second.stderr[-2000:]
+  assert errors[0].startswith(f'error: workdir {workdir} is in use by a run started ') and 'on this host' in errors[0]
+  assert 'step 1/' not in second.stdout  # it stopped before its vocabulary, compilation or first step
+  assert first.returncode == 0 and 'SIGTERM received: checkpoint saved' in output
+  steps = [step for step in _step_losses(workdir)]
+  assert len(steps) == len(set(steps)) > 1  # every step's loss written once: the second run wrote none
+  with open(metrics) as f:
+    assert len([r for r in map(json.loads, f) if r['split'] == 'train_steps']) == len(steps)
+  assert not os.path.exists(os.path.join(workdir, 'run.lock'))  # released at the end
 
 
 @pytest.mark.slow
@@ -256,17 +283,24 @@ def test_compare_runs_finds_the_first_differing_step(tmp_path):
 def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
   """A write that fails inside Orbax's save (here: the data-state item, as a full disk would) is reported
   at that save in one line, the process exits 1 at once, and no step without its data state appears."""
-  workdir = str(tmp_path / 'full')
-  command = [sys.executable, os.path.join(ROOT, 'tests', 'save_failure_worker.py')] + train_command(
-      workdir, corpus, 9)[2:]
-  start = time.time()
-  result = subprocess.run(command, env=dict(subprocess_env(), FAIL_FROM_STEP='6'), capture_output=True, text=True,
-                          timeout=240)
-  assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith(
-      f'error: saving the checkpoint at step 6 in {workdir} failed (OSError: [Errno 28] No space left on device)')
-  assert checkpointing.available_steps(workdir) == [3]
-  print(f'exited {time.time() - start:.0f} s after start')
+  for kind, cause in (('write', 'OSError: [Errno 28] No space left on device'),
+                      ('folder', 'PermissionError: [Errno 1] Operation not permitted')):
+    workdir = str(tmp_path / kind)
+    command = [sys.executable, os.path.join(ROOT, 'tests', 'save_failure_worker.py')] + train_command(
+        workdir, corpus, 9)[2:]
+    process = subprocess.Popen(command, env=dict(subprocess_env(), FAIL_FROM_STEP='6', FAIL_KIND=kind),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in process.stdout:
+      if line.startswith('step 6/'):
+        break
+    saved_at = time.time()  # step 6's line is printed just before its save
+    _, stderr = process.communicate(timeout=240)
+    print(f'{kind}: exited {time.time() - saved_at:.1f} s after the failing save')
+    assert process.returncode == 1 and time.time() - saved_at < 30
+    assert stderr.strip().splitlines()[-1].startswith(
+        f'error: saving the checkpoint at step 6 in {workdir} failed ({cause}')
+    assert stderr.strip().endswith('the run stopped and checkpoint 3 is the newest intact one')
+    assert checkpointing.available_steps(workdir) == [3]
 
 
 def _step_losses(workdir):
@@ -313,8 +347,8 @@ def test_damaged_checkpoints_are_set_aside_and_the_run_resumes_from_the_newest_i
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   for step in damages:
-    notice = [line for line in result.stdout.splitlines() if line.startswith(f'checkpoint {step} cannot be restored')]
-    assert len(notice) == 1 and notice[0].endswith('.corrupt, trying the one before'), result.stdout
+    notice = [line for line in result.stderr.splitlines() if line.startswith(f'checkpoint {step} cannot be restored')]
+    assert len(notice) == 1 and notice[0].endswith('.corrupt, trying the one before'), result.stderr[-3000:]
     assert os.path.isdir(os.path.join(workdir, 'checkpoints', f'{step}.corrupt'))  # kept for inspection
   assert 'resumed from step 3' in result.stdout
   assert checkpointing.available_steps(workdir) == [3, 6, 9, 12]  # 6, 9 and 12 written anew
@@ -348,3 +382,36 @@ def test_a_learning_rate_far_too_large_stops_the_run(tiny_config, tmp_path):
   with pytest.raises(train_loop.TrainingDiverged, match=r'the training loss rose to \S+ at step \d+, above 3 x its '
                                                         r'running median'):
     train_loop.train_and_evaluate(config, str(tmp_path / 'spike'), one_device())
+
+
+def test_restore_moves_aside_only_damage_and_stops_when_every_checkpoint_is_damaged(tiny_config, tmp_path, monkeypatch):
+  mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
+  state, shardings = partitioning.create_train_state(tiny_config, TransformerConfig.from_config(tiny_config), mesh,
+                                                     jax.random.key(0))
+  manager = checkpointing.create_manager(str(tmp_path), 10, asynchronous=False)
+  for step in (1, 2):
+    checkpointing.save_state(manager, state.replace(step=jnp.int32(step)), {'step': step})
+  monkeypatch.setattr(checkpointing.time, 'sleep', lambda seconds: None)
+  folder = tmp_path / 'checkpoints'
+
+  def unreachable(*args):
+    raise ConnectionError('storage.example.com: connection timed out')
+  with monkeypatch.context() as patched:  # a storage error says nothing about the files: nothing renamed
+    patched.setattr(checkpointing, 'restore_state', unreachable)
+    with pytest.raises(checkpointing.CheckpointRestoreFailed, match=r'checkpoint .*/2 could not be read '
+                       r'\(ConnectionError: storage.example.com: connection timed out\) after 3 attempts'):
+      checkpointing.restore_latest(manager, state, shardings)
+  assert sorted(p.name for p in folder.iterdir()) == ['1', '2']
+
+  (folder / '2.corrupt').mkdir()  # step 2 was damaged once before, and written again since
+  (folder / '2' / 'data' / 'process_0.json').write_text('{"step": ')
+  restored, data_state, step = checkpointing.restore_latest(manager, state, shardings)
+  assert step == 1 and data_state == {'step': 1, 'process_count': 1} and int(restored.step) == 1
+  assert sorted(p.name for p in folder.iterdir()) == ['1', '2.corrupt', '2.corrupt.2']
+
+  (folder / '1' / 'data' / 'process_0.json').write_text('')
+  manager.reload()
+  with pytest.raises(checkpointing.CheckpointDamaged, match=r'every checkpoint in .* is damaged \(steps \[1\] were '
+                     r'moved aside as <step>.corrupt\); the run stopped rather than train again from step 0'):
+    checkpointing.restore_latest(manager, state, shardings)
+  assert sorted(p.name for p in folder.iterdir()) == ['1.corrupt', '2.corrupt', '2.corrupt.2']
