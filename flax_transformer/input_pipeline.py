@@ -255,21 +255,23 @@ class TokenTable:
 def token_table(pairs, vocab_path: str, max_length: int, truncate: bool = False) -> TokenTable:
   """Tokenises string pairs into a table. Pairs with a side over `max_length` tokens are dropped and
   counted, or with `truncate` cut to `max_length` tokens ending in EOS (evaluation: every sentence kept)."""
-  parts = {'sources': ([], []), 'targets': ([], [])}
-  for batch in tokenize(pairs, vocab_path):
-    for (values, lengths), ragged in zip(parts.values(), batch):
-      values.append(ragged.flat_values.numpy())
-      lengths.append(ragged.row_lengths().numpy())
-  sides = {}
-  for name, (values, lengths) in parts.items():
-    values = np.concatenate(values) if values else np.zeros([0], np.int32)
-    dtype = np.uint16 if values.size == 0 or values.max() < 2 ** 16 else np.int32
-    sides[name] = Side(values.astype(dtype), np.concatenate(lengths).astype(np.int64) if lengths else
-                       np.zeros([0], np.int64))
-  table = TokenTable(**sides)
-  too_long = (table.sources.lengths > max_length) | (table.targets.lengths > max_length)
+  parts, dropped = {'sources': ([], []), 'targets': ([], [])}, 0
+  for batch in tokenize(pairs, vocab_path):  # filtered and narrowed batch by batch: the peak stays near the table
+    sides = [(ragged.flat_values.numpy(), ragged.row_lengths().numpy()) for ragged in batch]
+    if not truncate:
+      too_long = (sides[0][1] > max_length) | (sides[1][1] > max_length)
+      if too_long.any():
+        dropped += int(too_long.sum())
+        sides = [(values[np.repeat(~too_long, lengths)], lengths[~too_long]) for values, lengths in sides]
+    for (values, lengths), (batch_values, batch_lengths) in zip(parts.values(), sides):
+      small = batch_values.size == 0 or batch_values.max() < 2 ** 16  # vocabularies up to 65,536 ids
+      values.append(batch_values.astype(np.uint16) if small else batch_values)
+      lengths.append(batch_lengths.astype(np.int64))
+  table = TokenTable(**{name: Side(np.concatenate(values) if values else np.zeros([0], np.uint16),
+                                   np.concatenate(lengths) if lengths else np.zeros([0], np.int64))
+                        for name, (values, lengths) in parts.items()}, dropped=dropped)
   if not truncate:
-    return TokenTable(table.sources.select(~too_long), table.targets.select(~too_long), int(too_long.sum()))
+    return table
   for side in (table.sources, table.targets):
     starts = np.concatenate([[0], np.cumsum(side.lengths)])[:-1]
     keep = np.arange(side.values.size) - np.repeat(starts, side.lengths) < max_length - 1  # first max_length-1 ids

@@ -4,6 +4,7 @@
 import contextlib
 import http.server
 import threading
+import time
 
 import jax
 import pytest
@@ -29,6 +30,7 @@ def _resolved(arguments, monkeypatch, environ, tpu_vm=False):
   monkeypatch.setattr(cloud_tpu_cluster, 'running_in_cloud_tpu_vm', tpu_vm)
   monkeypatch.setattr(clusters.cluster, 'running_in_cloud_tpu_vm', tpu_vm)
   monkeypatch.setattr(cloud_tpu_cluster.BaseTpuCluster, 'wait_for_coordinator', classmethod(lambda *a: None))
+  monkeypatch.setattr(time, 'sleep', lambda seconds: None)  # JAX retries a metadata key the server lacks
   return clusters.ClusterEnv.auto_detect_unset_distributed_params(
       arguments.get('coordinator_address'), arguments.get('num_processes'), arguments.get('process_id'),
       arguments.get('local_device_ids'), None, 10)

@@ -1,0 +1,59 @@
+"""Paths on a local disk and on gs:// (a local GCS emulator) behave alike where the run depends on it."""
+
+import os
+
+import pytest
+
+from flax_transformer import storage
+
+
+@pytest.fixture(params=['local', 'gcs'])
+def root(request, tmp_path):
+  if request.param == 'local':
+    return str(tmp_path)
+  request.getfixturevalue('gcs')
+  return f'gs://bucket/storage_{os.getpid()}_{request.node.name.split("[")[0]}'
+
+
+def test_files_written_whole_appended_and_mirrored(root, tmp_path):
+  storage.check_writable(root, 'workdir', 'choose another --workdir')
+  storage.write_atomic(f'{root}/config.json', '{"a": 1}')
+  storage.write_atomic(f'{root}/config.json', '{"a": 2}')
+  assert storage.path(f'{root}/config.json').read_text() == '{"a": 2}'
+  assert [p.name for p in storage.path(root).iterdir()] == ['config.json']  # no probe or temporary left
+
+  for lines in (['1\n', '2\n'], ['3\n']):  # a resumed run appends to the metrics of the run before
+    appended = storage.AppendedFile(f'{root}/metrics.jsonl')
+    for line in lines:
+      appended.write(line)
+      appended.flush()
+    appended.close()
+  assert storage.path(f'{root}/metrics.jsonl').read_text() == '1\n2\n3\n'
+
+  mirror = storage.MirroredDirectory(f'{root}/tensorboard')
+  os.makedirs(mirror.local, exist_ok=True)
+  with open(os.path.join(mirror.local, 'events.1'), 'w') as f:
+    f.write('event')
+  mirror.sync()
+  assert storage.path(f'{root}/tensorboard/events.1').read_text() == 'event'
+
+  assert storage.create_exclusive(f'{root}/lock', 'first') and not storage.create_exclusive(f'{root}/lock', 'second')
+  assert storage.path(f'{root}/lock').read_text() == 'first'
+
+
+def test_a_location_that_cannot_be_written_is_one_line_naming_it(gcs, tmp_path):
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  for location in ('gs://no-such-bucket/run', str(blocker / 'run')):
+    with pytest.raises(storage.StorageError) as error:
+      storage.check_writable(location, 'workdir', 'choose another --workdir')
+    message = str(error.value)
+    assert message.startswith(f'workdir {location} cannot be written (') and '\n' not in message
+    assert message.endswith('; choose another --workdir')
+
+
+def test_local_paths_are_absolute_and_urls_kept():
+  assert storage.path('runs/a') == storage.path(os.path.join(os.getcwd(), 'runs/a'))
+  assert os.fspath(storage.path('gs://bucket/run')) == 'gs://bucket/run'
+  with pytest.raises(storage.StorageError, match='an empty path'):
+    storage.path('')
