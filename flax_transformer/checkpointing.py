@@ -155,7 +155,7 @@ def _set_aside(path) -> str:
   while target.exists():
     n += 1
     target = storage.path(f'{path}.corrupt.{n}')
-  path.rename(target)
+  storage.move(path, target)
   return os.fspath(target)
 
 

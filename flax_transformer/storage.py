@@ -78,6 +78,18 @@ def write_atomic(location, data: bytes | str) -> None:
   os.replace(temporary, location)
 
 
+def move(source, target) -> None:
+  """Renames a file or folder. An object store has no rename: its objects are copied, then deleted (gcsfs's
+  own move first tries an API that not every bucket offers, retrying each object for seconds)."""
+  source, target = path(source), path(target)
+  if not is_url(source):
+    os.rename(source, target)
+    return
+  filesystem = fsspec.core.url_to_fs(os.fspath(source))[0]
+  filesystem.copy(os.fspath(source), os.fspath(target), recursive=True)
+  filesystem.rm(os.fspath(source), recursive=True)
+
+
 def create_exclusive(location, text: str) -> bool:
   """Creates the file with `text` unless it exists (atomically, on local disks and object stores alike):
   True if this call created it."""

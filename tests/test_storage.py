@@ -36,6 +36,9 @@ def test_files_written_whole_appended_and_mirrored(root, tmp_path):
     f.write('event')
   mirror.sync()
   assert storage.path(f'{root}/tensorboard/events.1').read_text() == 'event'
+  storage.move(f'{root}/tensorboard', f'{root}/tensorboard.corrupt')  # as a damaged checkpoint is set aside
+  assert storage.path(f'{root}/tensorboard.corrupt/events.1').read_text() == 'event'
+  assert not storage.path(f'{root}/tensorboard').exists()
 
   assert storage.create_exclusive(f'{root}/lock', 'first') and not storage.create_exclusive(f'{root}/lock', 'second')
   assert storage.path(f'{root}/lock').read_text() == 'first'
