@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 
-COMPILE_FLAGS = '--xla_backend_optimization_level=0'
+# LLVM -O0 (see above); and in-process collectives of 8 CPU devices wait for each other as long as a starved
+# 2-core machine needs (XLA aborts the process after 40 s by default, a hang detector, not a limit on work).
+COMPILE_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_collective_call_terminate_timeout_seconds=600'
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 if COMPILE_FLAGS not in os.environ['XLA_FLAGS']:
   os.environ['XLA_FLAGS'] += ' ' + COMPILE_FLAGS
