@@ -37,7 +37,7 @@ class ClusterStart:
 
 
 def _tpu_chips() -> int:
-  """TPU chips attached to this machine (read from its PCI devices: no backend starts)."""
+  """The TPU chips on the PCI bus of the host (read from its devices list: no backend starts)."""
   from jax._src import hardware_utils
   return hardware_utils.num_available_tpu_chips_and_device_id()[0]
 
