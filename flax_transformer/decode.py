@@ -59,8 +59,8 @@ def gather_leading_rows(tree, rows):
 
 def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
                 beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID, reorder_cache=gather_leading_rows,
-                top_k_method: str = 'auto'):
-  """Beam search returning the best hypothesis of each sentence.
+                top_k_method: str = 'auto', num_results: int | None = None):
+  """Beam search returning the best hypothesis of each sentence, or its `num_results` best.
 
   Args:
     tokens_to_logits: (ids [b·n, 1], cache) -> (logits [b·n, v], cache).
@@ -71,11 +71,17 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     beam_size: n. alpha: length-penalty exponent (0 = none).
     reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
     top_k_method: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
+    num_results: None for the best hypothesis alone; k ≤ n for the k best, the search then running until
+      the k-th best finished one (not only the best) beats every live one.
   Returns:
     (tokens [b, max_decode_len] int32, ending with EOS unless cut at the length limit, 0-padded;
-     scores [b]: the length-penalised log-probabilities).
+     scores [b]: the length-penalised log-probabilities), or with num_results=k: ([b, k, max_decode_len],
+     [b, k]), best first.
   """
   n, length = beam_size, max_decode_len
+  kept = num_results or 1
+  if not 1 <= kept <= n:
+    raise ValueError(f'num_results={num_results} must be between 1 and the beam size {n}')
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), length)
   max_penalty = length_penalty(max_lengths, alpha)  # [b]: the largest a live hypothesis can reach
 
@@ -92,7 +98,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     step = state['step']
     # The best a live hypothesis could still score; once the best finished one beats it, stop.
     best_live_bound = state['live_scores'][:, 0] / max_penalty  # [b]
-    best_finished = state['finished_scores'][:, 0]  # [b]
+    best_finished = state['finished_scores'][:, kept - 1]  # [b]: the worst of those to return
     sentence_done = (best_finished >= best_live_bound) | (step >= max_lengths)
     return (step < length) & ~jnp.all(sentence_done)
 
@@ -139,8 +145,9 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
             'finished_tokens': finished_tokens, 'finished_scores': finished_scores, 'cache': new_cache}
 
   final = jax.lax.while_loop(not_done, body, initial)
-  tokens = final['finished_tokens'][:, 0, 1:]  # [b, L]
-  return tokens, final['finished_scores'][:, 0]
+  if num_results:
+    return final['finished_tokens'][:, :kept, 1:], final['finished_scores'][:, :kept]  # [b, k, L], [b, k]
+  return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
 
 
 def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
@@ -177,8 +184,9 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
 # --- The Transformer as a tokens_to_logits callback ------------------------------------------
 
 def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_extra_length: int,
-                    max_decode_len: int, top_k_method: str = 'auto'):
-  """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_decode_len], scores [b]).
+                    max_decode_len: int, top_k_method: str = 'auto', num_results: int | None = None):
+  """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_decode_len], scores [b]), or with
+  num_results=k the k best of each sentence's beam: ([b, k, max_decode_len], [b, k]).
 
   Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
   Bind model/beam_size/alpha/max_extra_length/max_decode_len with functools.partial and jit.
@@ -194,18 +202,19 @@ def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_
     return model.apply({'params': params}, ids, inputs, cache, method=model.decode_step)
 
   if beam_size <= 1:
-    return greedy_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len)
+    tokens, scores = greedy_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len)
+    return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
   return beam_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len, beam_size, alpha,
-                     reorder_cache=type(model).reorder_cache, top_k_method=top_k_method)
+                     reorder_cache=type(model).reorder_cache, top_k_method=top_k_method, num_results=num_results)
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_decode_len: int,
-                     top_k_method: str = 'auto'):
-  """One compiled predict step per (model, beam, alpha, lengths, top-k method); cached across calls."""
+                     top_k_method: str = 'auto', num_results: int | None = None):
+  """One compiled predict step per (model, beam, alpha, lengths, top-k method, results); cached across calls."""
   return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size, alpha=alpha,
                                    max_extra_length=max_extra_length, max_decode_len=max_decode_len,
-                                   top_k_method=top_k_method))
+                                   top_k_method=top_k_method, num_results=num_results))
 
 
 def decode_length(source_length: int, max_extra_length: int, max_len: int) -> int:

@@ -1,14 +1,10 @@
-"""Evaluation loops: validation loss/perplexity/accuracy, and translate-then-sacreBLEU."""
+"""Evaluation: validation loss/perplexity/accuracy, and sacreBLEU (translations come from translator.py)."""
 
 import math
 import re
 
 import jax
-import numpy as np
 import sacrebleu
-
-from flax_transformer import decode, input_pipeline, platforms, tokenizer
-from flax_transformer.model import Transformer
 
 
 def evaluate_loss(eval_step, params, batches, to_global, should_stop=None) -> dict | None:
@@ -27,39 +23,6 @@ def evaluate_loss(eval_step, params, batches, to_global, should_stop=None) -> di
   nll = float(totals['nll']) / tokens
   return {'loss': float(totals['loss']) / tokens, 'nll': nll, 'perplexity': math.exp(min(nll, 50.0)),
           'accuracy': float(totals['correct']) / tokens, 'tokens': tokens}
-
-
-def translate_sentences(params, model_config, processor, sentences: list[str], *, beam_size: int, alpha: float,
-                        max_extra_length: int, batch_tokens: int = 4096, progress=None,
-                        should_stop=None, top_k: str = 'auto', encoded: list[list[int]] | None = None
-                        ) -> list[str] | None:
-  """Translates `sentences` in length-sorted batches and returns the translations in input order.
-
-  Empty sentences translate to empty strings; sources longer than the model's position table are cut.
-  Returns None, abandoning the rest, as soon as `should_stop()` is true (checked before each batch).
-  top_k: config.beam_top_k ('auto', 'two_stage' or 'lax').
-  encoded: the sentences' ids from `input_pipeline.encode_sentences`, when the caller already has them.
-  """
-  model = Transformer(model_config)
-  outputs = [''] * len(sentences)
-  if encoded is None:
-    encoded = input_pipeline.encode_sentences(processor, sentences)
-  batches = input_pipeline.translation_batches(encoded, model_config.max_len - 1, batch_tokens)
-  total, done = sum(len(indices) for indices, _ in batches), 0
-  for indices, inputs in batches:
-    if should_stop and should_stop():
-      return None
-    max_decode_len = decode.decode_length(inputs.shape[1], max_extra_length, model_config.max_len)
-    translate = decode.jitted_translate(model, beam_size, alpha, max_extra_length, max_decode_len,
-                                        platforms.top_k(top_k))
-    tokens, _ = translate(params, inputs)
-    tokens = np.asarray(jax.device_get(tokens))
-    for row, i in enumerate(indices):
-      outputs[i] = tokenizer.decode_ids(processor, tokens[row])
-    done += len(indices)
-    if progress:
-      progress(done, total)
-  return outputs
 
 
 def bleu(hypotheses: list[str], references: list[str], tokenize: str = '13a', lowercase: bool = False):

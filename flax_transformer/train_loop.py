@@ -21,10 +21,11 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import (checkpointing, cluster, evaluation, input_pipeline, optim, partitioning, platforms,
-                              run_lock, steps, storage, tokenizer)
+from flax_transformer import (checkpointing, cluster, evaluation, finetuning, input_pipeline, optim, partitioning,
+                              platforms, run_lock, steps, storage, tokenizer)
 from flax_transformer.errors import ConfigError, UserError, WorkdirError
 from flax_transformer.model import TransformerConfig
+from flax_transformer.translator import Translator
 
 METRICS_FILENAME = 'train_metrics.jsonl'
 TRANSLATIONS_DIR = 'translations'  # translations/eval_<step>.txt: the BLEU sample's translations
@@ -231,6 +232,7 @@ def set_up(config, workdir: str, devices=None) -> Run:
   model_config = TransformerConfig.from_config(config)
   is_chief, workdir = jax.process_index() == 0, storage.path(workdir)
   checkpointing.check_workdir(workdir, config)
+  origin = finetuning.source(config, model_config)
   mesh = partitioning.create_mesh(config.mesh_shape, devices)
   partitioning.check_model_fits_mesh(model_config, mesh)  # before the vocabulary's minute, not after
   shard = partitioning.data_shard(mesh.devices)
@@ -242,15 +244,17 @@ def set_up(config, workdir: str, devices=None) -> Run:
       lock_error = error
   cluster.agree('workdir lock', lock_error)
   try:
-    return _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind)
+    return _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind, origin)
   except BaseException:
     if lock is not None:
       lock.release()
     raise
 
 
-def _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind) -> Run:
-  """set_up's part after the workdir is locked."""
+def _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind, origin) -> Run:
+  """set_up's part after the workdir is locked; `origin`: the run to fine-tune from (finetuning.source)."""
+  if origin and is_chief:
+    finetuning.copy_vocabulary(origin, config, workdir)
   processor, vocab_path = _vocabulary(config, workdir, is_chief)
   if is_chief:
     checkpointing.write_config(workdir, config)
@@ -259,6 +263,9 @@ def _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, 
   manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
   state, data_state = _resume(config, workdir, state, state_shardings, manager)
   start_step = int(jax.device_get(state.step))
+  if origin and start_step == 0:  # a fine-tuning run's first start: the source's parameters, a fresh optimizer
+    state = finetuning.initial_params(origin, state, state_shardings)
+    print(f'parameters from {origin.workdir} step {origin.step}; optimizer and schedule start at step 0', flush=True)
   train_iter = input_pipeline.process_train_batches(config, vocab_path, (shard.index, shard.count),
                                                     partitioning.data_parallel_size(mesh),
                                                     data_seed(config.seed, start_step), data_state)
@@ -377,11 +384,10 @@ class Evaluator:
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
-    return evaluation.translate_sentences(params, run.model_config, run.processor, self.sources,
-                                          beam_size=config.beam_size, alpha=config.length_penalty_alpha,
-                                          max_extra_length=config.max_extra_length,
-                                          batch_tokens=config.eval_tokens_per_batch, should_stop=should_stop,
-                                          top_k=config.beam_top_k, encoded=self.encoded)
+    translator = Translator(params, run.model_config, run.processor, beam_size=config.beam_size,
+                            alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
+                            batch_tokens=config.eval_tokens_per_batch, top_k=config.beam_top_k)
+    return translator.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
 
   def __call__(self, step: int, params, stop) -> dict:
     """The metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""

@@ -153,22 +153,20 @@ plt.show()
 # ## Restore from the Orbax checkpoint (parameters only, averaged) and translate with beam search
 
 # %%
-from flax_transformer import average, evaluation, input_pipeline, tokenizer
+from flax_transformer import Translator, evaluation, input_pipeline
 from flax_transformer.constants import EOS_ID
-from flax_transformer.model import Transformer, TransformerConfig
+from flax_transformer.model import Transformer
 
-model_config = TransformerConfig.from_config(config)
-params, averaged_steps = average.averaged_params(WORKDIR, config.average_last, model_config)
-processor = tokenizer.load(os.path.join(WORKDIR, tokenizer.VOCAB_FILENAME), model_config.vocab_size)
+translator = Translator.from_workdir(WORKDIR)  # parameters only, the last config.average_last averaged
+params, model_config, processor = translator.params, translator.model_config, translator.processor
 sources = input_pipeline.read_lines(config.test_source)[:8 if TINY else 200]
 references = input_pipeline.read_lines(config.test_target)[:len(sources)]
-translations = evaluation.translate_sentences(params, model_config, processor, sources, beam_size=config.beam_size,
-                                              alpha=config.length_penalty_alpha,
-                                              max_extra_length=config.max_extra_length)
+translations = translator.translate(sources)  # beam 4, α 0.6, max length = input + 50
 for source, translation in list(zip(sources, translations))[:3]:
   print(f'{source}\n  -> {translation}')
 score, signature = evaluation.bleu(translations, references)
-print(f'averaged checkpoints {averaged_steps}; BLEU on {len(sources)} test_2016_flickr sentences: {score:.2f} ({signature})')
+print(f'averaged checkpoints {list(translator.checkpoints)}; BLEU on {len(sources)} test_2016_flickr sentences: '
+      f'{score:.2f} ({signature})')
 
 # %% [markdown]
 # ## Attention heads for one translated sentence

@@ -16,6 +16,7 @@ import pytest
 from tools import compare_runs
 from flax_transformer import checkpointing, evaluation, input_pipeline, partitioning, steps, storage, tokenizer
 from flax_transformer.model import TransformerConfig
+from flax_transformer.translator import Translator
 from tests.test_input_pipeline import write_corpus
 from tests.test_partitioning import _free_port
 from tests.conftest import ROOT, subprocess_env
@@ -152,11 +153,9 @@ def test_evaluation_equals_one_process(corpus, reference, tiny_config):
   results = evaluation.evaluate_loss(eval_step, state.params, batches,
                                      lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()})
   pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
-  hypotheses = evaluation.translate_sentences(jax.device_get(state.params), model_config, processor,
-                                              [p[0] for p in pairs], beam_size=config.beam_size,
-                                              alpha=config.length_penalty_alpha,
-                                              max_extra_length=config.max_extra_length,
-                                              batch_tokens=config.eval_tokens_per_batch)
+  hypotheses = Translator(jax.device_get(state.params), model_config, processor, beam_size=config.beam_size,
+                          alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
+                          batch_tokens=config.eval_tokens_per_batch).translate([p[0] for p in pairs])
   bleu, _ = evaluation.bleu(hypotheses, [p[1] for p in pairs])
   print('two processes:', logged, '\none process:', results, bleu, hypotheses)
   with open(os.path.join(workdir, 'translations', f'eval_{STEPS}.txt')) as f:

@@ -1,0 +1,256 @@
+"""A trained model in memory: translate, n-best lists, scores and word alignments, from Python or a script.
+
+    from flax_transformer import Translator
+    translator = Translator.from_workdir('runs/base')       # parameters only, averaged as the run says
+    translator.translate(['A man is sleeping.'])             # beam 4, α 0.6, max length = input + 50
+    translator.n_best(['A man is sleeping.'], 4)              # [[(text, score), ...]]
+    translator.score(['A man is sleeping.'], ['Ein Mann schläft.'])  # log p(target | source)
+    translator.alignments(['A man is sleeping.'], ['Ein Mann schläft.'])  # ['0-0 1-1 3-2']
+
+Every call goes through the same length-sorted batches (`translation_batches`: rows and lengths rounded
+up to multiples of 8), so sentences of lengths already seen reuse the compiled programs: one
+compilation per batch shape and decoding choice, kept for the life of the process.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_transformer import decode, input_pipeline, losses, platforms, tokenizer
+from flax_transformer.constants import EOS_ID, PAD_ID
+from flax_transformer.errors import UserError, WorkdirError
+from flax_transformer.model import Transformer, TransformerConfig
+
+WORD_START = '\u2581'  # SentencePiece's mark of a piece that begins a word
+
+
+def _teacher_forced(params, inputs, targets, *, model, with_attention: bool, layer: int = -1):
+  """inputs [b, s], targets [b, t] (EOS-terminated, 0-padded) -> (log p(target row) [b], and with
+  `with_attention` decoder layer `layer`'s cross-attention averaged over heads [b, t, s])."""
+  if with_attention:
+    logits, variables = model.apply({'params': params}, inputs, targets, mutable=['intermediates'])
+    weights = variables['intermediates']['decoder']['cross_attention']['attention_weights'][0]  # [N, b, h, t, s]
+    attention = jnp.mean(weights[layer], axis=1)  # [b, t, s]
+  else:
+    logits, attention = model.apply({'params': params}, inputs, targets), None  # [b, t, v]
+  _, nll = losses.token_losses(logits, targets, 0.0)  # [b, t]
+  return -jnp.sum(jnp.where(targets != PAD_ID, nll, 0.0), axis=1), attention
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_teacher_forced(model: Transformer, with_attention: bool, layer: int = -1):
+  return jax.jit(functools.partial(_teacher_forced, model=model, with_attention=with_attention, layer=layer))
+
+
+def _words(processor, ids: list[int]) -> list[int]:
+  """The word number of each piece: a piece marked as a word start (or the first) begins a new word."""
+  words, current = [], -1
+  for i, piece in enumerate(processor.id_to_piece(ids)):
+    if i == 0 or piece.startswith(WORD_START):
+      current += 1
+    words.append(current)
+  return words
+
+
+class Translator:
+  """Parameters, vocabulary and decoding settings held once; see the module docstring.
+
+  Args:
+    params: the model's parameters (numpy or jax arrays; placed on the devices once, here).
+    model_config: the architecture they belong to.
+    processor: the SentencePiece vocabulary (`tokenizer.load`).
+    beam_size, alpha: the defaults of `translate` (1 = greedy); §6.1's are 4 and 0.6.
+    max_extra_length: each output may be this many tokens longer than its input (§6.1: 50).
+    batch_tokens: source tokens per decoding batch.
+    top_k: the beam's top-k method ('auto', 'two_stage' or 'lax'; see decode.top_k).
+    checkpoints: the checkpoint steps the parameters come from (reported only).
+  """
+
+  def __init__(self, params, model_config: TransformerConfig, processor, *, beam_size: int = 4,
+               alpha: float = 0.6, max_extra_length: int = 50, batch_tokens: int = 4096, top_k: str = 'auto',
+               checkpoints: tuple[int, ...] = ()):
+    _check_beam(beam_size, alpha)
+    if batch_tokens < 1:
+      raise UserError(f'batch_tokens={batch_tokens} must be at least 1; give the source tokens per batch')
+    self.params = params if _on_devices(params) else jax.device_put(params)
+    self.model_config, self.processor = model_config, processor
+    self.model = Transformer(model_config)
+    self.beam_size, self.alpha, self.max_extra_length = beam_size, alpha, max_extra_length
+    self.batch_tokens, self.top_k_method = batch_tokens, platforms.top_k(top_k)
+    self.checkpoints = tuple(checkpoints)
+
+  @classmethod
+  def from_workdir(cls, workdir: str, step: int | None = None, average_last: int | None = None,
+                   checkpoint_dir: str | None = None, **settings) -> 'Translator':
+    """The model a training run (or `average`) wrote to `workdir`, any storage path the product takes.
+
+    Restores parameters only. `step`: that checkpoint alone; otherwise the mean of the last
+    `average_last` checkpoints (default: the run's config.average_last). `checkpoint_dir`: read the
+    checkpoints from there instead of the workdir's. Decoding defaults come from the run's config unless
+    given in `settings` (the keyword arguments of Translator).
+    """
+    import flax.linen as nn
+    from flax_transformer import average, checkpointing, partitioning
+    config = checkpointing.read_config(workdir)
+    model_config = TransformerConfig.from_config(config)
+    processor = tokenizer.load(config.vocab_path or f'{workdir}/{tokenizer.VOCAB_FILENAME}', model_config.vocab_size)
+    source = checkpoint_dir or workdir
+    if step is not None:
+      steps = checkpointing.available_steps(source)
+      if step not in steps:
+        raise WorkdirError(f'no checkpoint at step {step} in {source}; available: {steps}')
+      params = checkpointing.restore_params(source, step, nn.meta.unbox(partitioning.abstract_params(model_config)))
+      chosen = [step]
+    else:
+      count = average_last if average_last is not None else config.average_last
+      params, chosen = average.averaged_params(source, count, model_config)
+    defaults = {'beam_size': config.beam_size, 'alpha': config.length_penalty_alpha,
+                'max_extra_length': config.max_extra_length, 'batch_tokens': config.eval_tokens_per_batch,
+                'top_k': config.get('beam_top_k', 'auto')}
+    return cls(params, model_config, processor, checkpoints=tuple(chosen), **{**defaults, **settings})
+
+  # --- Text in, text out --------------------------------------------------------------
+
+  @property
+  def max_source_tokens(self) -> int:
+    """Source tokens the model takes, with the end-of-sentence token added."""
+    return self.model_config.max_len - 1
+
+  def encode(self, sentences: list[str]) -> list[list[int]]:
+    """Each sentence's token ids (no EOS; a blank sentence has none)."""
+    return input_pipeline.encode_sentences(self.processor, sentences)
+
+  def too_long(self, encoded: list[list[int]]) -> list[int]:
+    """Indices of the sentences (as `encode` gives them) longer than the model takes."""
+    return [i for i, ids in enumerate(encoded) if len(ids) > self.max_source_tokens]
+
+  def translate(self, sentences: list[str], beam_size: int | None = None, alpha: float | None = None, *,
+                split_long: bool = False, encoded: list[list[int]] | None = None, progress=None,
+                should_stop=None) -> list[str] | None:
+    """Translations of `sentences`, in their order; an empty sentence gives an empty translation.
+
+    A sentence longer than the model takes is cut, or with `split_long` translated in pieces split at
+    sentence punctuation and joined. `encoded`: the sentences' ids when the caller has them.
+    `progress(done, total)` is called after each batch; a true `should_stop()` (checked before each
+    batch) abandons the rest and returns None.
+    """
+    encoded = self.encode(sentences) if encoded is None else encoded
+    owners = list(range(len(sentences)))
+    if split_long and self.too_long(encoded):
+      long, pieces, owners = set(self.too_long(encoded)), [], []
+      for i, (sentence, ids) in enumerate(zip(sentences, encoded)):
+        split = (input_pipeline.split_at_punctuation(self.processor, sentence, self.max_source_tokens)
+                 if i in long else None)
+        pieces += self.encode(split) if split else [ids]
+        owners += [i] * (len(split) if split else 1)
+      encoded = pieces
+    hypotheses = self._decode(encoded, beam_size, alpha, None, progress, should_stop)
+    if hypotheses is None:
+      return None
+    translations = [''] * len(sentences)
+    for owner, best in zip(owners, hypotheses):
+      translations[owner] = f'{translations[owner]} {best[0][0]}'.strip() if best else translations[owner]
+    return translations
+
+  def n_best(self, sentences: list[str], k: int, beam_size: int | None = None,
+             alpha: float | None = None) -> list[list[tuple[str, float]]]:
+    """The `k` best translations of each sentence with their length-penalised log-probabilities (the
+    beam's own ranking), best first. The beam is max(k, beam_size) wide. An empty sentence gives []."""
+    if not isinstance(k, int) or k < 1:
+      raise UserError(f'n_best k={k!r} must be a positive integer; ask for at least one hypothesis')
+    beam = max(k, self.beam_size if beam_size is None else beam_size)
+    results = self._decode(self.encode(sentences), beam, alpha, k)
+    return [[(text, score) for text, score in best] for best in results]
+
+  def score(self, sources: list[str], targets: list[str]) -> list[float]:
+    """log p(target | source) of each pair under the model, teacher-forced (natural log, summed over the
+    target's tokens and its end-of-sentence token; no smoothing, no length penalty)."""
+    scores, _ = self._teacher_forced(sources, targets, with_attention=False)
+    return scores
+
+  def alignments(self, sources: list[str], targets: list[str], layer: int | None = None) -> list[str]:
+    """Hard word alignments in Pharaoh format ('i-j': source word i, target word j, both from 0).
+
+    Each target piece is aligned to the source piece its prediction attends to most (decoder layer
+    `layer`'s cross-attention, averaged over heads, end-of-sentence tokens left out); pieces map to the
+    words they belong to (SentencePiece's word-start mark), and pairs are listed once, sorted. The default
+    layer is the penultimate, whose attention aligns best (Garg et al., 2019, "Jointly Learning to Align
+    and Translate with Transformer Models"; on a Multi30k model the last layer's links lag a word behind).
+    """
+    layers = self.model_config.num_decoder_layers
+    layer = (layers - 2 if layers > 1 else 0) if layer is None else layer
+    if not -layers <= layer < layers:
+      raise UserError(f'layer={layer} is not a decoder layer; the model has {layers} (0 to {layers - 1})')
+    _, attention = self._teacher_forced(sources, targets, with_attention=True, layer=layer % layers)
+    lines = []
+    for source_ids, target_ids, weights in attention:
+      source_words, target_words = _words(self.processor, source_ids), _words(self.processor, target_ids)
+      links = {(source_words[int(np.argmax(weights[t, :len(source_ids)]))], target_words[t])
+               for t in range(len(target_ids))} if source_ids else set()
+      lines.append(' '.join(f'{i}-{j}' for i, j in sorted(links)))
+    return lines
+
+  # --- Batches through the compiled programs -----------------------------------------------
+
+  def _decode(self, encoded, beam_size, alpha, num_results, progress=None, should_stop=None):
+    """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best."""
+    beam_size = self.beam_size if beam_size is None else beam_size
+    alpha = self.alpha if alpha is None else alpha
+    _check_beam(beam_size, alpha)
+    results = [[] for _ in encoded]
+    batches = input_pipeline.translation_batches(encoded, self.max_source_tokens, self.batch_tokens)
+    total, done = sum(len(indices) for indices, _ in batches), 0
+    for indices, inputs in batches:
+      if should_stop and should_stop():
+        return None
+      max_decode_len = decode.decode_length(inputs.shape[1], self.max_extra_length, self.model_config.max_len)
+      translate = decode.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_decode_len,
+                                          self.top_k_method, num_results)
+      tokens, scores = jax.device_get(translate(self.params, inputs))
+      tokens, scores = np.asarray(tokens), np.asarray(scores)
+      if num_results is None:
+        tokens, scores = tokens[:, None], scores[:, None]  # [rows, 1, L], [rows, 1]
+      for row, i in enumerate(indices):
+        results[i] = [(tokenizer.decode_ids(self.processor, tokens[row, j]), float(scores[row, j]))
+                      for j in range(tokens.shape[1])]
+      done += len(indices)
+      if progress:
+        progress(done, total)
+    return results
+
+  def _teacher_forced(self, sources, targets, with_attention, layer=-1):
+    """(scores per pair, [(source ids, target ids, attention [t, s]) per pair] or None)."""
+    if len(sources) != len(targets):
+      raise UserError(f'{len(sources)} sources but {len(targets)} targets; give one target per source')
+    limit = self.max_source_tokens
+    source_ids, target_ids = self.encode(sources), self.encode(targets)
+    source_ids, target_ids = [ids[:limit] for ids in source_ids], [ids[:limit] for ids in target_ids]
+    # Batched by the longer side: a stand-in of that many ids gets the shape (its length + EOS) of each pair.
+    longer = [[EOS_ID] * max(len(s), len(t), 1) for s, t in zip(source_ids, target_ids)]
+    scores, attention = [0.0] * len(sources), [None] * len(sources)
+    batches = input_pipeline.translation_batches(longer, limit, self.batch_tokens)
+    function = _jitted_teacher_forced(self.model, with_attention, layer if with_attention else -1)
+    for indices, shape in batches:
+      inputs, outputs = np.zeros(shape.shape, np.int32), np.zeros(shape.shape, np.int32)  # [rows, length]
+      for row, i in enumerate(indices):
+        inputs[row, :len(source_ids[i]) + 1] = source_ids[i] + [EOS_ID]
+        outputs[row, :len(target_ids[i]) + 1] = target_ids[i] + [EOS_ID]
+      batch_scores, weights = jax.device_get(function(self.params, inputs, outputs))
+      for row, i in enumerate(indices):
+        scores[i] = float(batch_scores[row])
+        if with_attention:
+          attention[i] = (source_ids[i], target_ids[i], np.asarray(weights[row]))
+    return scores, (attention if with_attention else None)
+
+
+def _check_beam(beam_size, alpha):
+  if not isinstance(beam_size, int) or beam_size < 1:
+    raise UserError(f'beam_size={beam_size!r} must be a positive integer (1 = greedy search)')
+  if alpha < 0:
+    raise UserError(f'alpha={alpha} must be 0 or more (0 = no length penalty; the paper uses 0.6)')
+
+
+def _on_devices(params) -> bool:
+  return all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,125 @@
+"""flax_transformer.Translator: translations in order, n-best lists, scores, alignments, no recompilation."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from flax_transformer import decode, steps, tokenizer
+from flax_transformer.errors import UserError
+from flax_transformer.model import Transformer, TransformerConfig
+from flax_transformer.translator import Translator
+from tests.test_input_pipeline import write_corpus
+
+LINES = ['the cat sat on the mat', 'red house', 'a dog runs fast on the big tree', 'blue', '',
+         'the small child sat', 'a woman and a man run slow']
+TARGETS = ['MAT THE ON SAT CAT THE', 'HOUSE RED', 'TREE BIG THE ON FAST RUNS DOG A', 'BLUE', 'X',
+           'SAT CHILD SMALL THE', 'SLOW RUN MAN A AND WOMAN A']
+
+
+@pytest.fixture(scope='module')
+def translator(tmp_path_factory):
+  """Random untied weights (varied translations, so a reordering shows) over a 64-piece vocabulary."""
+  directory = str(tmp_path_factory.mktemp('vocabulary'))
+  _, sources, targets = write_corpus(directory, 300, 0, 'train')
+  tokenizer.train_sentencepiece(zip(sources, targets), f'{directory}/spm.model', 64)
+  processor = tokenizer.load(f'{directory}/spm.model', 64)
+  config = TransformerConfig(vocab_size=64, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
+                             num_decoder_layers=2, max_len=128, share_embeddings=False, dropout_rate=0.0)
+  dummy = np.ones((1, 4), np.int32)
+  params = nn.meta.unbox(Transformer(config).init(jax.random.key(3), dummy, dummy)['params'])
+  return Translator(params, config, processor, beam_size=2, alpha=0.6, max_extra_length=4)
+
+
+def test_translations_come_back_in_input_order(translator):
+  together = translator.translate(LINES)  # one length-sorted batch
+  alone = [translator.translate([line])[0] for line in LINES]
+  assert together == alone
+  assert together[4] == ''  # an empty line translates to an empty line
+  assert len(set(together)) >= 3  # varied translations, so a reordering would not pass unnoticed
+
+
+def test_a_second_call_with_seen_lengths_compiles_nothing(translator):
+  calls = lambda order: (translator.translate([LINES[i] for i in order]), translator.n_best(LINES, 2),
+                         translator.score(LINES, TARGETS), translator.alignments(LINES, TARGETS))
+  calls(range(len(LINES)))
+  compiled = []
+  listener = lambda name, *_, **__: compiled.append(name) if name == '/jax/core/compile/backend_compile_duration' else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    calls(reversed(range(len(LINES))))  # other order, same lengths
+    assert compiled == []
+    translator.translate(['dog ' * 30])  # a longer sentence: a new shape, which the listener does see
+    assert compiled
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_score_is_the_unsmoothed_training_loss(translator):
+  scores = translator.score(LINES, TARGETS)
+  encode = lambda text: translator.processor.encode(text) + [1]
+  rows = [(encode(s) if s else [1], encode(t)) for s, t in zip(LINES, TARGETS)]
+  width = max(max(len(s), len(t)) for s, t in rows)
+  batch = {name: np.array([side + [0] * (width - len(side)) for side in sides], np.int32)
+           for name, sides in (('inputs', [r[0] for r in rows]), ('targets', [r[1] for r in rows]))}
+  for i in range(len(rows)):  # the eval step's per-token sums, without smoothing, one pair at a time
+    sums = steps.eval_step(translator.params, {k: v[i:i + 1] for k, v in batch.items()},
+                           model_config=translator.model_config, label_smoothing=0.0)
+    np.testing.assert_allclose(scores[i], -float(sums['nll']), rtol=1e-5, atol=1e-4)
+
+
+def test_n_best_is_the_beam_ranked_and_its_first_is_the_translation(translator):
+  results = translator.n_best(LINES, 3)
+  best = translator.translate(LINES, beam_size=3)
+  for i, hypotheses in enumerate(results):
+    if not LINES[i]:
+      assert hypotheses == []
+      continue
+    assert len(hypotheses) == 3 and hypotheses[0][0] == best[i]
+    scores = [score for _, score in hypotheses]
+    assert scores == sorted(scores, reverse=True)
+  # The beam search's own tokens and scores for the first batch, through decode.py directly.
+  inputs = np.array([translator.processor.encode(LINES[1]) + [1]], np.int32)
+  tokens, scores = decode.jitted_translate(translator.model, 3, 0.6, 4, 16, translator.top_k_method, 3)(
+      translator.params, inputs)
+  assert [round(s, 4) for _, s in results[1]] == [round(float(s), 4) for s in np.asarray(scores)[0]]
+
+
+def test_alignments_are_the_argmax_of_the_penultimate_layers_cross_attention(translator):
+  links = translator.alignments(LINES, TARGETS)
+  processor, model = translator.processor, translator.model
+  for source, target, line in zip(LINES, TARGETS, links):
+    if not source:
+      assert line == ''
+      continue
+    source_ids, target_ids = processor.encode(source), processor.encode(target)
+    _, variables = model.apply({'params': translator.params}, np.array([source_ids + [1]]),
+                               np.array([target_ids + [1]]), mutable=['intermediates'])
+    weights = variables['intermediates']['decoder']['cross_attention']['attention_weights'][0][-2, 0].mean(0)
+    word = lambda ids: np.cumsum([i == 0 or processor.id_to_piece(x).startswith('\u2581') for i, x in enumerate(ids)]) - 1
+    expected = sorted({(int(word(source_ids)[np.argmax(weights[t, :len(source_ids)])]), int(word(target_ids)[t]))
+                       for t in range(len(target_ids))})
+    assert line == ' '.join(f'{i}-{j}' for i, j in expected)
+    assert {j for _, j in expected} == set(range(len(target.split())))  # every target word is aligned
+
+
+@pytest.mark.parametrize('call,message', [
+    (lambda t: t.score(['a', 'b'], ['A']), '2 sources but 1 targets'),
+    (lambda t: t.translate(['a'], beam_size=0), 'beam_size=0 must be a positive integer'),
+    (lambda t: t.n_best(['a'], 0), 'n_best k=0 must be a positive integer'),
+    (lambda t: t.translate(['a'], alpha=-1.0), 'alpha=-1.0 must be 0 or more'),
+])
+def test_bad_arguments_are_one_line_errors(translator, call, message):
+  with pytest.raises(UserError, match=message):
+    call(translator)
+
+
+def test_from_workdir_names_missing_checkpoints(trained_run, tmp_path):
+  workdir, _ = trained_run
+  with pytest.raises(UserError, match='no checkpoint at step 5'):
+    Translator.from_workdir(workdir, step=5)
+  translator = Translator.from_workdir(workdir, step=12)
+  assert translator.checkpoints == (12,) and translator.beam_size == 4
+  assert translator.translate(['the cat sat']) == Translator.from_workdir(workdir, average_last=1).translate(['the cat sat'])
