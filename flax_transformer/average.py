@@ -2,9 +2,11 @@
 
 Averages the parameters of the last K checkpoints of a run (default: the run's config.average_last) into
 OUT, laid out as a workdir that translate.py reads directly (python translate.py --workdir=OUT): its
-config.json (with average_last=1), its vocabulary, and checkpoints/<last step>/params.
+config.json (with average_last=1), its vocabulary, and checkpoints/<last step>/params. Installed as
+`flax-transformer-average`.
 """
 
+import os
 import sys
 
 if __name__ == '__main__':  # before anything imports TensorFlow
@@ -38,24 +40,56 @@ def averaged_params(workdir: str, count: int, model_config: TransformerConfig):
   return (trees[0] if len(trees) == 1 else checkpointing.average_params(trees)), chosen
 
 
+def _check_output(workdir, output) -> None:
+  """Refuses an output that would overwrite, hold or sit inside the run being averaged, or that is a file."""
+  source, target = os.fspath(storage.path(workdir)).rstrip('/'), os.fspath(output).rstrip('/')
+  if target == source or source.startswith(target + '/') or target.startswith(source + '/'):
+    where = ('is' if target == source else 'contains' if source.startswith(target + '/') else 'is inside')
+    raise WorkdirError(f'--output={output} {where} the workdir {source}; write the average to a folder outside it')
+  if output.exists() and not output.is_dir():
+    raise WorkdirError(f'--output={output} is a file; give a folder for the averaged workdir')
+
+
 def write_averaged_workdir(workdir: str, output: str, count: int | None = None, overwrite: bool = False) -> list[int]:
-  """Averages the last `count` checkpoints of `workdir` into the workdir `output`; returns the steps averaged."""
+  """Averages the last `count` checkpoints of `workdir` into the workdir `output`; returns the steps averaged.
+
+  The average is written to a folder beside `output` and moved into place when complete; with `overwrite`
+  the previous output is removed only then, so a failure leaves it as it was.
+  """
   config = checkpointing.read_config(workdir)
   count = config.average_last if count is None else count
   output = storage.path(output)
-  if output.is_dir() and any(output.iterdir()):
-    if not overwrite:
-      raise WorkdirError(f'{output} is not empty; choose a new --output or pass --overwrite to replace it')
-    output.rmtree()
+  _check_output(workdir, output)
+  if output.is_dir() and any(output.iterdir()) and not overwrite:
+    raise WorkdirError(f'{output} is not empty; choose a new --output or pass --overwrite to replace it')
   params, chosen = averaged_params(workdir, count, TransformerConfig.from_config(config))
-  output.mkdir(parents=True, exist_ok=True)
+  staging = output.parent / f'.{output.name}.partial.{os.getpid()}'
+  if staging.exists():
+    staging.rmtree()
+  staging.mkdir(parents=True)
   if not config.vocab_path:  # the vocabulary trained into the workdir travels with the model
-    (output / tokenizer.VOCAB_FILENAME).write_bytes((storage.path(workdir) / tokenizer.VOCAB_FILENAME).read_bytes())
+    (staging / tokenizer.VOCAB_FILENAME).write_bytes((storage.path(workdir) / tokenizer.VOCAB_FILENAME).read_bytes())
   with config.unlocked():
     config.average_last = 1  # the output holds one checkpoint: the average
-  checkpointing.save_params(checkpointing.checkpoint_dir(output), chosen[-1], params)
-  checkpointing.write_config(output, config)
+  checkpointing.save_params(checkpointing.checkpoint_dir(staging), chosen[-1], params)
+  checkpointing.write_config(staging, config)
+  replaced = output.parent / f'.{output.name}.replaced.{os.getpid()}'
+  if output.exists():
+    storage.move(output, replaced)
+  storage.move(staging, output)
+  if replaced.exists():
+    replaced.rmtree()
   return chosen
+
+
+def console():
+  """`flax-transformer-average` and `python -m flax_transformer.average`."""
+  flags.DEFINE_string('workdir', None, 'Training workdir.')
+  flags.DEFINE_integer('last', None, 'How many of the latest checkpoints to average (default: config.average_last).')
+  flags.DEFINE_string('output', None, 'Directory for the averaged model (a workdir translate.py reads).')
+  flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --output (only once the new average is written).')
+  flags.mark_flags_as_required(['workdir', 'output'])
+  app.run(main)
 
 
 def main(argv):
@@ -73,9 +107,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.DEFINE_string('workdir', None, 'Training workdir.')
-  flags.DEFINE_integer('last', None, 'How many of the latest checkpoints to average (default: config.average_last).')
-  flags.DEFINE_string('output', None, 'Directory for the averaged model (a workdir translate.py reads).')
-  flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --output.')
-  flags.mark_flags_as_required(['workdir', 'output'])
-  app.run(main)
+  console()

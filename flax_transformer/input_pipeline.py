@@ -33,7 +33,9 @@ import itertools
 import json
 import os
 import re
+import sys
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -53,13 +55,13 @@ class DataError(UserError):
 
 def read_lines(path: str) -> list[str]:
   """Lines of a plain or gzipped UTF-8 file, without newlines."""
-  if not path:
-    raise DataError('a data file path is empty; set the config.*_source / config.*_target paths')
-  if not storage.path(path).exists():
-    raise DataError(f'data file {path} does not exist; check the path (override with --config.<field>=PATH)')
+  _check_file(path)
   data = storage.path(path).read_bytes()
   if path.endswith('.gz'):
-    data = gzip.decompress(data)
+    try:
+      data = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as error:
+      raise _damaged_gzip(path, error) from None
   return decode_lines(data, path)
 
 
@@ -68,14 +70,22 @@ def decode_lines(data: bytes, name: str) -> list[str]:
   lines = data.split(b'\n')
   if lines and lines[-1] == b'':
     lines.pop()
-  out = []
-  for number, line in enumerate(lines, 1):
-    try:
-      out.append(line.decode('utf-8').rstrip('\r'))
-    except UnicodeDecodeError as error:
-      raise DataError(f'{name}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
-                      f're-encode the file as UTF-8') from None
-  return out
+  return [decode_line(line.rstrip(b'\r'), name, number) for number, line in enumerate(lines, 1)]
+
+
+def decode_line(line: bytes, name: str, number: int) -> str:
+  """One line's bytes as text, or a one-line error naming `name` and the line's number."""
+  try:
+    return line.decode('utf-8')
+  except UnicodeDecodeError as error:
+    raise DataError(f'{name}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
+                    f're-encode the file as UTF-8') from None
+
+
+def _damaged_gzip(path: str, error: BaseException) -> DataError:
+  reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+  return DataError(f'{path} is not a readable gzip file ({reason}); download or copy it again, or give it '
+                   f'without the .gz suffix if it is plain text')
 
 
 def _check_file(path: str) -> None:
@@ -89,16 +99,15 @@ def _raw_lines(path: str):
   """The lines of a plain or gzipped file as bytes, without line ends, streamed (never the whole file)."""
   with storage.path(path).open('rb') as raw:
     stream = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
-    for line in stream:
-      yield line.rstrip(b'\n').rstrip(b'\r')
+    try:
+      for line in stream:
+        yield line.rstrip(b'\n').rstrip(b'\r')
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+      raise _damaged_gzip(path, error) from None
 
 
 def _utf8(line: bytes, path: str, number: int) -> bytes:
-  try:
-    line.decode('utf-8')
-  except UnicodeDecodeError as error:
-    raise DataError(f'{path}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
-                    f're-encode the file as UTF-8') from None
+  decode_line(line, path, number)
   return line
 
 
@@ -566,10 +575,14 @@ def main(argv):
   del argv
   from absl import flags
   from flax_transformer import tokenizer
-  config = flags.FLAGS.config
-  workdir = flags.FLAGS.workdir
-  _, vocab_path = tokenizer.train_or_load(config, workdir, lambda: python_pairs(config))
-  print(json.dumps(inspect(config, vocab_path)))
+  from flax_transformer.commands import config_flag
+  try:
+    config = config_flag(flags.FLAGS)
+    _, vocab_path = tokenizer.train_or_load(config, flags.FLAGS.workdir, lambda: python_pairs(config))
+    print(json.dumps(inspect(config, vocab_path)))
+  except UserError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

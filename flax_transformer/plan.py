@@ -18,20 +18,25 @@ import sys
 
 
 def _take_devices_flag(argv: list[str]) -> int:
-  """--devices must be known before JAX starts: it sets the number of fake CPU devices."""
+  """--devices must be known before JAX starts: it sets the number of fake CPU devices (a bad value is
+  left to main's check; JAX then starts with 1)."""
   for i, arg in enumerate(argv):
-    if arg.startswith('--devices='):
-      return int(arg.split('=', 1)[1])
-    if arg == '--devices' and i + 1 < len(argv):
-      return int(argv[i + 1])
+    value = arg.split('=', 1)[1] if arg.startswith('--devices=') else (
+        argv[i + 1] if arg == '--devices' and i + 1 < len(argv) else None)
+    if value is not None:
+      return int(value) if value.strip().isdigit() and int(value) > 0 else 1
   return 8
 
 
-if __name__ == '__main__':
+def _start_cpu_devices(argv: list[str]) -> None:
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={_take_devices_flag(sys.argv)}')
+                             f' --xla_force_host_platform_device_count={_take_devices_flag(argv)}')
   os.environ['JAX_PLATFORMS'] = 'cpu'
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+
+if __name__ == '__main__':
+  _start_cpu_devices(sys.argv)
 
 import ast  # noqa: E402
 import functools  # noqa: E402
@@ -193,7 +198,7 @@ def plan(config, devices: int, mesh_shape, peak_tflops: float = 0.0, mfu: float 
   if len(jax.devices()) != devices:
     raise ConfigError(f'--devices={devices} but JAX has {len(jax.devices())} devices; run plan as a module '
                       f'(python -m flax_transformer.plan) so it can create them')
-  mesh_shape = resolve_mesh(ast.literal_eval(mesh_shape) if isinstance(mesh_shape, str) else mesh_shape)
+  mesh_shape = resolve_mesh(parse_mesh(mesh_shape) if isinstance(mesh_shape, str) else mesh_shape)
   figures = compile_step(config, mesh_shape)
 
   def timing(f):
@@ -220,12 +225,39 @@ def plan(config, devices: int, mesh_shape, peak_tflops: float = 0.0, mfu: float 
   return figures
 
 
+def parse_mesh(text: str) -> tuple[int, int, int]:
+  """'(data, fsdp, model)' -> a tuple of three positive integers, or a one-line error."""
+  try:
+    mesh = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    mesh = None
+  if not (isinstance(mesh, tuple) and len(mesh) == 3 and all(isinstance(n, int) and n >= 1 for n in mesh)):
+    raise ConfigError(f"--mesh={text} is not three positive sizes (data, fsdp, model); write e.g. --mesh='(1,8,1)'")
+  return mesh
+
+
+def check_flags(f) -> None:
+  """The flags' values, before anything is compiled."""
+  if not f.devices >= 1:
+    raise ConfigError(f'--devices={f.devices} must be at least 1: the devices to plan for')
+  if not 0 < f.mfu <= 1:
+    raise ConfigError(f'--mfu={f.mfu} must be in (0, 1]: the fraction of peak FLOP/s a step achieves (e.g. 0.4)')
+  if f.peak_tflops < 0:
+    raise ConfigError(f'--peak_tflops={f.peak_tflops} must be 0 (no timing) or the device\'s peak TFLOP/s')
+  if f.device_memory_gb is not None and f.device_memory_gb <= 0:
+    raise ConfigError(f'--device_memory_gb={f.device_memory_gb} must be positive (or left out)')
+  if f.mesh:
+    parse_mesh(f.mesh)
+
+
 def main(argv):
   del argv
   from absl import flags
+  from flax_transformer.commands import config_flag
   f = flags.FLAGS
-  config = f.config
   try:
+    check_flags(f)
+    config = config_flag(f)
     figures = plan(config, f.devices, f.mesh or str(tuple(config.mesh_shape)), f.peak_tflops, f.mfu,
                    f.device_memory_gb, f.target)
   except (ConfigError, ValueError, SyntaxError) as error:
@@ -253,6 +285,17 @@ def _define_flags():
   flags.DEFINE_float('device_memory_gb', None, 'Memory of one device; the plan says whether the step fits.')
   flags.DEFINE_enum('target', 'gpu', platforms.PLATFORMS, "The platform whose 'auto' choices are planned.")
   flags.mark_flags_as_required(['config'])
+
+
+def console():
+  """`flax-transformer-plan`: the same as python -m flax_transformer.plan."""
+  _start_cpu_devices(sys.argv)
+  jax.config.update('jax_platforms', 'cpu')  # JAX read the environment when this module imported it
+  from absl import app
+  from flax_transformer.commands import importable_configs
+  importable_configs(sys.argv)
+  _define_flags()
+  app.run(main)
 
 
 if __name__ == '__main__':

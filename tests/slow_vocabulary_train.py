@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402
 
-import train  # noqa: E402
+from flax_transformer.commands import train  # noqa: E402
 from flax_transformer import tokenizer  # noqa: E402
 
 _train_or_load = tokenizer.train_or_load

@@ -40,38 +40,13 @@ def test_translates_in_order_with_empty_lines_and_bleu(trained, tmp_path):
   assert translations[1] == ''  # an empty line translates to an empty line
 
 
-@pytest.mark.slow
-def test_translations_come_back_in_input_order(trained):
-  """Sentences are batched by length; each translation must still land on its own line (compared with
-  translating each line alone). Random untied weights give varied translations, so a reordering shows."""
-  import dataclasses
-
-  import flax.linen as nn
-  import jax
-  import numpy as np
-
-  from flax_transformer import evaluation, tokenizer
-  from flax_transformer.model import Transformer, TransformerConfig
-  workdir, config = trained
-  processor, _ = tokenizer.train_or_load(config, workdir, None)
-  model_config = dataclasses.replace(TransformerConfig.from_config(config), share_embeddings=False, dropout_rate=0.0)
-  dummy = np.ones((1, 4), np.int32)
-  params = nn.meta.unbox(Transformer(model_config).init(jax.random.key(3), dummy, dummy)['params'])
-  lines = ['the cat sat on the mat', 'red house', 'a dog runs fast on the big tree', 'blue', '',
-           'the small child sat', 'a woman and a man run slow']
-  translate = lambda sentences, batch_tokens: evaluation.translate_sentences(
-      params, model_config, processor, sentences, beam_size=2, alpha=0.6, max_extra_length=4,
-      batch_tokens=batch_tokens)
-  together = translate(lines, 4096)  # one length-sorted batch
-  alone = [translate([line], 4096)[0] for line in lines]
-  assert together == alone
-  assert len(set(together)) >= 3  # varied translations, so a reordering would not pass unnoticed
-
-
 @pytest.mark.parametrize('flags,stdin,message', [
     (['--input=-', '--average_last=7'], b'hello\n', 'cannot average the last 7 checkpoints'),
     (['--input=-'], b'ok\n\xff\n', 'standard input: line 2 is not valid UTF-8'),
     (['--input=-', '--step=999'], b'x\n', 'no checkpoint at step 999'),
+    (['--input=-', '--beam_size=0'], b'x\n', '--beam_size=0 must be at least 1'),
+    (['--input=/no/such/file.txt'], b'', '--input file /no/such/file.txt does not exist; check the --input path'),
+    (['--input=-', '--score'], b'x\n', '--score needs --reference=FILE'),
 ])
 @pytest.mark.slow
 def test_bad_input_is_a_one_line_error(trained, flags, stdin, message):
@@ -179,3 +154,91 @@ def test_a_reference_of_another_length_is_refused_before_decoding(trained, tmp_p
   assert result.stderr.decode().strip().splitlines()[-1] == (
       f'error: {reference} has 1 lines but the input has 2; give the reference of this input')
   assert 'translating' not in result.stderr.decode() and not output.exists()
+
+
+@pytest.mark.slow
+def test_stdin_is_translated_line_by_line_as_it_arrives(trained):
+  """One line written, its translation read back, then the next: the model is loaded once, each output
+  line flushed when its line is done (an empty line gives an empty line)."""
+  workdir, _ = trained
+  process = subprocess.Popen([sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', '--input=-',
+                              '--beam_size=1'], env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+  try:
+    replies = []
+    for line in (b'the cat sat on the mat\n', b'\n', b'red house\n'):
+      process.stdin.write(line)
+      process.stdin.flush()
+      replies.append(process.stdout.readline())  # blocks until this line's translation is written
+    process.stdin.close()
+    assert process.wait(timeout=120) == 0, process.stderr.read().decode()[-1500:]
+  finally:
+    process.kill()
+  assert [r.endswith(b'\n') for r in replies] == [True] * 3 and replies[1] == b'\n'
+  stderr = process.stderr.read().decode()
+  assert stderr.count('translating standard input line by line') == 1
+
+
+@pytest.mark.slow
+def test_n_best_score_and_alignment_outputs(trained, tmp_path):
+  import json
+  workdir, _ = trained
+  source, reference = tmp_path / 'in.txt', tmp_path / 'ref.txt'
+  source.write_text('the cat sat\nred house\na dog\n')
+  reference.write_text('SAT CAT THE\nHOUSE RED\nDOG A\n')
+  result = _translate(workdir, f'--input={source}', '--n_best=3', '--alignment')
+  assert result.returncode == 0, result.stderr.decode()[-1500:]
+  lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
+  assert [line['n'] for line in lines] == [0, 1, 2]
+  for line in lines:
+    assert len(line['hypotheses']) == 3 and {'text', 'score', 'alignment'} <= set(line['hypotheses'][0])
+    assert [h['score'] for h in line['hypotheses']] == sorted((h['score'] for h in line['hypotheses']), reverse=True)
+  scored = _translate(workdir, f'--input={source}', f'--reference={reference}', '--score', '--alignment')
+  assert scored.returncode == 0, scored.stderr.decode()[-1500:]
+  rows = [line.split(' ||| ') for line in scored.stdout.decode().splitlines()]
+  assert len(rows) == 3 and all(float(score) < 0 for score, _ in rows)
+  assert all(pair.split('-')[1].isdigit() for _, links in rows for pair in links.split())
+  from flax_transformer.translator import Translator
+  expected = Translator.from_workdir(workdir).score(source.read_text().splitlines(), reference.read_text().splitlines())
+  assert [float(score) for score, _ in rows] == [round(s, 4) for s in expected]
+
+
+@pytest.mark.slow
+def test_average_refuses_an_output_that_would_destroy_the_run(trained, tmp_path):
+  import shutil
+  workdir, _ = trained
+  copy = tmp_path / 'run'
+  shutil.copytree(workdir, copy)
+  (tmp_path / 'file.txt').write_text('x')
+  before = sorted(p.name for p in (copy / 'checkpoints').iterdir())
+  for output, message in ((copy, 'is the workdir'), (tmp_path, 'contains the workdir'),
+                          (copy / 'averaged', 'is inside the workdir'), (tmp_path / 'file.txt', 'is a file')):
+    result = subprocess.run([sys.executable, '-m', 'flax_transformer.average', f'--workdir={copy}', f'--output={output}',
+                             '--overwrite'], env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
+    assert result.returncode == 1 and len(errors) == 1 and message in errors[0], result.stderr[-1500:]
+  assert sorted(p.name for p in (copy / 'checkpoints').iterdir()) == before
+  assert checkpointing.available_steps(str(copy)) == checkpointing.available_steps(workdir)
+
+
+@pytest.mark.slow
+def test_installed_commands_are_the_scripts(tmp_path):
+  """pyproject's console scripts name the functions the root scripts and `python -m` run, and behave alike."""
+  import shutil
+  from importlib.metadata import entry_points
+  commands = {e.name: e.value for e in entry_points(group='console_scripts') if e.name.startswith('flax-transformer-')}
+  assert commands == {'flax-transformer-train': 'flax_transformer.commands.train:console',
+                      'flax-transformer-translate': 'flax_transformer.commands.translate:console',
+                      'flax-transformer-average': 'flax_transformer.average:console',
+                      'flax-transformer-plan': 'flax_transformer.plan:console'}
+  for script, module in (('train.py', 'flax_transformer.commands.train'), ('translate.py', 'flax_transformer.commands.translate')):
+    assert f'from {module} import console' in open(os.path.join(ROOT, script)).read()
+  installed = shutil.which('flax-transformer-translate')
+  if installed is None:
+    pytest.skip('the package is not installed (pip install -e .)')
+  run = lambda command: subprocess.run(command + [f'--workdir={tmp_path}', '--input=-', '--beam_size=0'],
+                                       env=subprocess_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  script, command = run([sys.executable, os.path.join(ROOT, 'translate.py')]), run([installed])
+  assert script.returncode == command.returncode == 1
+  assert script.stderr.splitlines()[-1] == command.stderr.splitlines()[-1] == \
+      'error: --beam_size=0 must be at least 1 (1 = greedy search)'

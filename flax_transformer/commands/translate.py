@@ -1,0 +1,217 @@
+"""Translate with a trained model: python translate.py --workdir=DIR --input=FILE|- [--output=FILE] [--reference=FILE]
+
+Restores parameters only (no optimizer state), averaged over the config's `average_last` checkpoints
+unless --step or --average_last says otherwise, and decodes with the config's beam search defaults (beam
+4, α 0.6, max length = input + 50 for the paper configs) through `flax_transformer.Translator`. Writes one
+line per input line, in input order:
+  (default)      the translation; with --alignment, `translation ||| 0-0 1-2 ...` (Pharaoh word alignment)
+  --n_best=K     a JSON object {"n": line number from 0, "hypotheses": [{"text", "score"}, ...]}
+  --score        log p(reference line | input line), with --reference (and --alignment: `score ||| links`)
+With --input=- the model is loaded once and stdin is read line by line: lines that arrive within
+--stream_wait seconds of each other are translated together, and each output line is flushed as soon as
+its batch is done. With --reference, prints sacreBLEU and its signature at the end. Installed as
+`flax-transformer-translate` (the same program).
+"""
+
+import gzip
+import json
+import os
+import queue
+import sys
+import threading
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up chatter
+
+from absl import app, flags, logging
+
+flags.DEFINE_string('workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/).')
+flags.DEFINE_string('checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
+flags.DEFINE_integer('step', None, 'Use this checkpoint step alone.')
+flags.DEFINE_integer('average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
+flags.DEFINE_string('input', '-', 'Source text file (plain or .gz), or - for stdin, read line by line.')
+flags.DEFINE_string('output', '-', 'Where to write the output lines, or - for stdout.')
+flags.DEFINE_string('reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
+                    'targets to score.')
+flags.DEFINE_integer('beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
+flags.DEFINE_float('alpha', None, 'Length-penalty exponent (default: the config\'s).')
+flags.DEFINE_integer('batch_tokens', None, 'Source tokens per decoding batch (default: config eval_tokens_per_batch).')
+flags.DEFINE_integer('n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
+flags.DEFINE_bool('score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
+flags.DEFINE_bool('alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder layer\'s cross-attention).')
+flags.DEFINE_float('stream_wait', 0.05, 'With --input=-: seconds to wait for more lines before translating those '
+                   'that have arrived.')
+flags.DEFINE_enum('bleu_tokenize', None, ['13a', 'none', 'intl', 'zh', 'char'],
+                  'sacreBLEU tokenizer (default: the config\'s bleu_tokenize): 13a for detokenized text, '
+                  'none for pre-tokenized references.')
+flags.DEFINE_bool('lowercase', False, 'Case-insensitive BLEU.')
+flags.DEFINE_bool('split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
+                  'punctuation, instead of cutting them (a warning counts them either way).')
+flags.mark_flags_as_required(['workdir'])
+
+STREAM_LINES = 256  # the most stdin lines translated together
+
+
+def check_flags(f) -> None:
+  """Every flag that can be wrong without the model: before anything is loaded or compiled."""
+  from flax_transformer import input_pipeline, storage
+  from flax_transformer.errors import UserError
+  if f.beam_size is not None and f.beam_size < 1:
+    raise UserError(f'--beam_size={f.beam_size} must be at least 1 (1 = greedy search)')
+  if f.alpha is not None and f.alpha < 0:
+    raise UserError(f'--alpha={f.alpha} must be 0 or more (0 = no length penalty)')
+  if f.batch_tokens is not None and f.batch_tokens < 1:
+    raise UserError(f'--batch_tokens={f.batch_tokens} must be at least 1')
+  if f.n_best < 0:
+    raise UserError(f'--n_best={f.n_best} must be 1 or more (0 = translations only)')
+  if f.score and not f.reference:
+    raise UserError('--score needs --reference=FILE: the target lines to score, one per input line')
+  if f.score and f.n_best:
+    raise UserError('--score and --n_best write different outputs; choose one')
+  if f.stream_wait < 0:
+    raise UserError(f'--stream_wait={f.stream_wait} must be 0 or more seconds')
+  for name in ('input', 'reference'):
+    path = getattr(f, name)
+    if path and path != '-' and not storage.path(path).exists():
+      raise input_pipeline.DataError(f'--{name} file {path} does not exist; check the --{name} path')
+  if f.output != '-':
+    storage.check_writable(storage.path(f.output).parent, 'the folder of --output', 'choose another --output')
+
+
+def stdin_chunks(wait: float):
+  """Lists of stdin lines as they arrive: a chunk closes after `wait` seconds without a new line (or at
+  STREAM_LINES lines). A reader thread blocks on stdin so the translation of one chunk overlaps the next."""
+  from flax_transformer import input_pipeline
+  lines = queue.Queue()
+
+  def read():
+    try:
+      for line in sys.stdin.buffer:
+        lines.put(line)
+    finally:
+      lines.put(None)
+
+  threading.Thread(target=read, daemon=True).start()
+  number, ended = 0, False
+  while not ended:
+    chunk = [lines.get()]
+    while chunk[-1] is not None and len(chunk) < STREAM_LINES:
+      try:
+        chunk.append(lines.get(timeout=wait))
+      except queue.Empty:
+        break
+    if chunk[-1] is None:
+      chunk.pop()
+      ended = True
+    if chunk:
+      yield [input_pipeline.decode_line(line.rstrip(b'\n').rstrip(b'\r'), 'standard input', number + i + 1)
+             for i, line in enumerate(chunk)]
+      number += len(chunk)
+
+
+def output_lines(translator, f, sources: list[str], targets: list[str] | None, progress=None, first: int = 0):
+  """The output lines for `sources` (and their `targets` with --score), and the best translations; `first`:
+  the number of input lines before these."""
+  if f.score:
+    scores = translator.score(sources, targets)
+    links = translator.alignments(sources, targets) if f.alignment else None
+    return [f'{s:.4f}' + (f' ||| {links[i]}' if links else '') for i, s in enumerate(scores)], None
+  encoded = translator.encode(sources)
+  too_long = translator.too_long(encoded)
+  if too_long:
+    shown = ', '.join(str(first + i + 1) for i in too_long[:10]) + (', ...' if len(too_long) > 10 else '')
+    what = ('split at sentence punctuation and translated in pieces' if f.split_long else
+            'cut to fit (--split_long translates them in pieces split at sentence punctuation)')
+    print(f'warning: {len(too_long)} input line(s) longer than the model\'s {translator.max_source_tokens} tokens '
+          f'(line {shown}) are {what}', file=sys.stderr)
+  if f.n_best:
+    hypotheses = translator.n_best(sources, f.n_best, f.beam_size, f.alpha)
+    lines, best = [], [h[0][0] if h else '' for h in hypotheses]
+    for i, found in enumerate(hypotheses):
+      entries = [{'text': text, 'score': round(score, 4)} for text, score in found]
+      if f.alignment and entries:
+        for entry, links in zip(entries, translator.alignments([sources[i]] * len(entries), [e['text'] for e in entries])):
+          entry['alignment'] = links
+      lines.append(json.dumps({'n': first + i, 'hypotheses': entries}, ensure_ascii=False))
+    return lines, best
+  best = translator.translate(sources, f.beam_size, f.alpha, split_long=f.split_long, encoded=encoded,
+                              progress=progress)
+  if f.alignment:
+    return [f'{t} ||| {links}' for t, links in zip(best, translator.alignments(sources, best))], best
+  return best, best
+
+
+def run(f) -> None:
+  from flax_transformer import platforms
+  platforms.import_tensorflow_quietly()
+  import jax
+  from flax_transformer import checkpointing, evaluation, input_pipeline, storage
+  from flax_transformer.translator import Translator
+
+  check_flags(f)
+  references = input_pipeline.read_lines(f.reference) if f.reference else None
+  sources = None if f.input == '-' else input_pipeline.read_lines(f.input)
+  if sources is not None and references is not None and len(references) != len(sources):
+    raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
+                                   f'give the reference of this input')
+  settings = {'batch_tokens': f.batch_tokens} if f.batch_tokens else {}
+  translator = Translator.from_workdir(f.workdir, f.step, f.average_last, f.checkpoint_dir, **settings)
+  what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
+  print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
+        f'{jax.device_count()} {jax.default_backend()} device(s)', file=sys.stderr, flush=True)
+  to_stdout = f.output == '-'
+  written, translations, done = [], [], 0
+  chunks = stdin_chunks(f.stream_wait) if sources is None else [sources]
+  progress = None if sources is None else (
+      lambda n, total: print(f'\r{n}/{total} sentences', end='', file=sys.stderr, flush=True))
+  for chunk in chunks:
+    targets = None
+    if f.score:
+      if done + len(chunk) > len(references):
+        raise input_pipeline.DataError(f'standard input has more lines than the {len(references)} of '
+                                       f'{f.reference}; give the reference of this input')
+      targets = references[done:done + len(chunk)]
+    lines, best = output_lines(translator, f, chunk, targets, progress, done)
+    done += len(chunk)
+    translations += best or []
+    if to_stdout:
+      sys.stdout.write(''.join(line + '\n' for line in lines))
+      sys.stdout.flush()
+    else:
+      written += lines
+  if progress:
+    print(file=sys.stderr)
+  if not to_stdout:  # written whole, then renamed into place: never a half-written output
+    data = ''.join(line + '\n' for line in written).encode('utf-8')
+    storage.write_atomic(f.output, gzip.compress(data) if f.output.endswith('.gz') else data)
+  if references is not None and not f.score:
+    if len(references) != len(translations):
+      raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input had '
+                                     f'{len(translations)}; give the reference of this input')
+    config = checkpointing.read_config(f.workdir)
+    tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')
+    score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
+    print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
+    if config.dataset.startswith('wmt14'):
+      score, label = evaluation.paper_bleu(translations, references)
+      print(f'BLEU = {score:.2f} ({label})', file=sys.stderr)
+
+
+def main(argv):
+  if not flags.FLAGS['verbosity'].present:  # Orbax logs every read at INFO; --verbosity=0 shows it
+    logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from flax_transformer.errors import UserError
+  try:
+    run(flags.FLAGS)
+  except UserError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(1)
+
+
+def console():
+  app.run(main)
+
+
+if __name__ == '__main__':
+  console()
