@@ -41,6 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.test_source = ''
   config.test_target = ''
   config.vocab_path = ''  # An existing SentencePiece model; '' trains one into the workdir.
+  config.init_from = ''  # 'WORKDIR[:STEP]': fine-tune, starting from that run's parameters and vocabulary.
   config.vocab_type = 'bpe'  # §5.1 byte-pair encoding; 'unigram' is the alternative.
   config.vocab_sample_sentences = 4_000_000  # Drawn uniformly from both sides of the whole split (SentencePiece's memory grows with it).
   config.max_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.

@@ -1,0 +1,69 @@
+"""Fine-tuning: a new run that starts from another run's parameters (`config.init_from = 'WORKDIR[:STEP]'`).
+
+The new run takes the source's parameters (its newest checkpoint, or STEP) and vocabulary, and a fresh
+optimizer state and schedule from step 0. Only the parameters' shapes must agree: dropout, dtype and the
+other compute choices, the data, the schedule and the batch size may all change. Once the new run has a
+checkpoint of its own it resumes from that, as any run does.
+"""
+
+import dataclasses
+
+from flax_transformer import checkpointing, storage, tokenizer
+from flax_transformer.errors import WorkdirError
+from flax_transformer.model import TransformerConfig
+
+SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_encoder_layers', 'num_decoder_layers',
+                'share_embeddings', 'learned_positions', 'pre_norm')  # and max_len with learned positions
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  workdir: str
+  step: int
+  vocab_path: str
+
+
+def _parse(init_from: str) -> tuple[str, int | None]:
+  """'WORKDIR' or 'WORKDIR:STEP' (a URL's own colon is not a step separator)."""
+  head, _, tail = init_from.rpartition(':')
+  if head and tail.isdigit() and not head.endswith(':/') and head not in ('gs', 's3'):
+    return head, int(tail)
+  return init_from, None
+
+
+def source(config, model_config: TransformerConfig) -> Source | None:
+  """The checked source of `config.init_from` ('' = none), or a one-line error naming the mismatch."""
+  if not config.get('init_from'):
+    return None
+  workdir, step = _parse(config.init_from)
+  fix = 'point --config.init_from at a workdir of the same model shape, or change the model to match it'
+  saved = checkpointing.read_config(workdir)
+  saved_model = TransformerConfig.from_config(saved)
+  fields = SHAPE_FIELDS + (('max_len',) if model_config.learned_positions else ())
+  for field in fields:
+    if getattr(saved_model, field) != getattr(model_config, field):
+      raise WorkdirError(f'config.init_from={config.init_from} holds model.{field}={getattr(saved_model, field)!r} '
+                         f'but this config has {getattr(model_config, field)!r}; {fix}')
+  steps = checkpointing.available_steps(workdir)
+  if not steps:
+    raise WorkdirError(f'config.init_from={config.init_from}: {workdir} holds no checkpoint; train it first')
+  if step is not None and step not in steps:
+    raise WorkdirError(f'config.init_from={config.init_from}: no checkpoint at step {step}; available: {steps}')
+  vocab_path = saved.get('vocab_path') or f'{storage.path(workdir)}/{tokenizer.VOCAB_FILENAME}'
+  if config.vocab_path and storage.path(config.vocab_path).read_bytes() != storage.path(vocab_path).read_bytes():
+    raise WorkdirError(f'config.vocab_path={config.vocab_path} differs from the vocabulary of config.init_from '
+                       f'({vocab_path}); leave config.vocab_path empty to take the source\'s vocabulary')
+  return Source(workdir, steps[-1] if step is None else step, vocab_path)
+
+
+def copy_vocabulary(origin: Source, config, workdir) -> None:
+  """The source's vocabulary becomes the new workdir's (unless config.vocab_path names it already)."""
+  target = storage.path(workdir) / tokenizer.VOCAB_FILENAME
+  if not config.vocab_path and not target.exists():
+    storage.write_atomic(target, storage.path(origin.vocab_path).read_bytes())
+
+
+def initial_params(origin: Source, state, state_shardings):
+  """The fresh train state with the source's parameters, placed as `state_shardings` says."""
+  params = checkpointing.restore_params(origin.workdir, origin.step, state.params, state_shardings.params)
+  return state.replace(params=params)
