@@ -1,4 +1,5 @@
-"""Decoding speed: our KV-cache beam search and greedy search vs a decoder that re-runs the whole prefix.
+"""Decoding speed: our KV-cache beam search and greedy search vs a decoder that re-runs the whole prefix, and
+vs the same weights exported to CTranslate2 (float32 and int8; skipped when ctranslate2 is not installed).
 
 python bench/decode.py   (tiny shape: vocab 8192, d_model 256, 3+3 layers, 4 heads, d_ff 1024, random weights,
 64 sources of 20 tokens, exactly 40 generated tokens per sentence, EOS disabled)
@@ -81,6 +82,33 @@ def decode_flops(beam_size: int, c: TransformerConfig = CONFIG) -> float:
   return 2.0 * (encoder + cross_keys_values + BATCH * beam_size * sum(per_step))
 
 
+def ctranslate2_runs(params, inputs, directory):
+  """CTranslate2 translators of the same weights (flax_transformer.export), timed on the same sources with
+  exactly OUTPUT_LENGTH tokens (EOS is allowed only at the limit), one thread per core: name -> function."""
+  try:
+    import ctranslate2
+  except ImportError:
+    return {}
+  from flax_transformer import export
+  pieces = ['<pad>', '</s>', '<unk>'] + [f'w{i}' for i in range(3, CONFIG.vocab_size)]
+  sources = [[pieces[i] for i in row] for row in np.asarray(inputs)]
+  runs = {}
+  for quantization in ('float32', 'int8'):
+    spec = export.model_spec(jax.device_get(params), CONFIG, pieces)
+    spec.validate()
+    spec.optimize(quantization=None if quantization == 'float32' else quantization)
+    path = os.path.join(directory, quantization)
+    os.makedirs(path)
+    spec.save(path)
+    translator = ctranslate2.Translator(path, device='cpu', compute_type='default', inter_threads=1,
+                                        intra_threads=os.cpu_count())
+    for beam in (4, 1):
+      runs[f'{"beam 4" if beam == 4 else "greedy"}, CTranslate2 {ctranslate2.__version__} {quantization}'] = (
+          functools.partial(translator.translate_batch, sources, beam_size=beam, max_batch_size=BATCH,
+                            min_decoding_length=OUTPUT_LENGTH, max_decoding_length=OUTPUT_LENGTH), beam)
+  return runs
+
+
 def time_it(fn, *args, repeats=5):
   jax.block_until_ready(fn(*args))
   times = []
@@ -105,8 +133,12 @@ def main():
   assert (tokens > 0).sum(1).min() == OUTPUT_LENGTH, 'every sentence must produce exactly 40 tokens'
   same = np.mean(np.all(tokens == np.asarray(runs['beam 4, no cache (re-run prefix)'](params, inputs)), axis=1))
   seconds = {name: time_it(fn, params, inputs, repeats=3 if 'no cache' in name else 5) for name, fn in runs.items()}
-  peak = matmul_peak(jax, jnp)
   beams = {name: 1 if 'greedy' in name else 4 for name in runs}
+  import tempfile
+  with tempfile.TemporaryDirectory() as directory:
+    for name, (fn, beam) in ctranslate2_runs(params, inputs, directory).items():
+      seconds[name], beams[name] = time_it(fn), beam
+  peak = matmul_peak(jax, jnp)
   print(f'matmul peak {peak:.0f} GFLOP/s (2048³ float32 jit, this run); model FLOPs per {BATCH} sentences: '
         f'{decode_flops(4) / 1e9:.1f} G at beam 4, {decode_flops(1) / 1e9:.1f} G greedy\n')
   print('| decoder | sentences/s | µs per generated token | model GFLOP/s | fraction of matmul peak | '
@@ -117,6 +149,10 @@ def main():
           f'{gflops / peak:.2f} | {BATCH * peak * 1e9 / decode_flops(beams[name]):,.0f} |')
   beam, greedy, nocache = (BATCH / seconds[k] for k in runs)
   print(f'| cache speed-up at beam 4 | {beam / nocache:.1f}× | | | | |')
+  for name in seconds:
+    if 'CTranslate2' in name and 'float32' in name:
+      ours = beam if name.startswith('beam') else greedy
+      print(f'| ours / {name} | {ours / (BATCH / seconds[name]):.2f}× | | | | |')
   print(f'\nbeam 4 with and without the cache give the same output for {same:.0%} of the sentences')
   print(json.dumps({'beam4_sentences_per_second': round(beam, 1), 'greedy_sentences_per_second': round(greedy, 1),
                     'nocache_beam4_sentences_per_second': round(nocache, 1), 'matmul_gflops': round(peak, 1)}))
