@@ -40,6 +40,7 @@ def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
                                                  data_seed(config.seed, 0), None)
   sums = steps.eval_step(params, next(iter(batches)), model_config=model_config,
                          label_smoothing=config.label_smoothing)
+  print(f'first fine-tuning loss {first_loss:.6f}; the source model on that batch {float(sums["loss"]) / float(sums["tokens"]):.6f}')
   np.testing.assert_allclose(first_loss, float(sums['loss']) / float(sums['tokens']), rtol=1e-5)
   # A source of another shape is refused before anything is written.
   other = subprocess.run(train_command(tmp_path / 'other', corpus, 1, f'--config.init_from={source}',
