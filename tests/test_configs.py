@@ -1,5 +1,7 @@
 """configs/base.py and configs/big.py carry the paper's values (Table 3, §5.1–5.4, §6.1)."""
 
+import os
+
 import numpy as np
 import optax
 import pytest
@@ -57,3 +59,18 @@ def test_package_pins_equal_the_requirements_files():
   jax_version = next(p for p in project['dependencies'] if p.startswith('jax=='))[len('jax=='):]
   assert project['optional-dependencies']['cuda12'] == [f'jax[cuda12]=={jax_version}']
   assert project['optional-dependencies']['tpu'] == [f'jax[tpu]=={jax_version}']
+
+
+@pytest.mark.slow
+def test_a_missing_config_file_is_a_one_line_error(tmp_path):
+  import subprocess
+  import sys
+  from tests.conftest import ROOT, subprocess_env
+  result = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config=configs/no_such.py',
+                           f'--workdir={tmp_path}'], env=subprocess_env(), capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+      "error: --config=configs/no_such.py cannot be loaded ([Errno 2] No such file or directory: "
+      "'configs/no_such.py'); give a config file such as configs/base.py, with :ARGUMENT after it if the file takes one")
+  assert os.listdir(tmp_path) == []

@@ -308,3 +308,14 @@ def test_a_global_batch_too_small_for_the_devices_is_a_one_line_error(files_conf
   files_config.tokens_per_batch = 64
   with pytest.raises(bucketing.PlanError, match='config.tokens_per_batch=64 cannot hold 8 sentences of'):
     one_process_batches(files_config, vocab[1], data_parallel_size=8)
+
+
+def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):
+  good = gzip.compress(b'one\ntwo\nthree\n')
+  (tmp_path / 'cut.gz').write_bytes(good[:-6])  # truncated: EOFError inside gzip
+  (tmp_path / 'plain.gz').write_bytes(b'one\ntwo\n')  # not gzip at all: BadGzipFile
+  for name in ('cut.gz', 'plain.gz'):
+    path = str(tmp_path / name)
+    for read in (lambda: input_pipeline.read_lines(path), lambda: list(input_pipeline.parallel_lines(path, path))):
+      with pytest.raises(input_pipeline.DataError, match=f'{name} is not a readable gzip file .*download or copy it again'):
+        read()

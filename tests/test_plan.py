@@ -82,3 +82,21 @@ def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
   assert figures['fits'] is False
   assert figures['fix']['flags'] == '--mesh=(1, 8, 1)'
   assert figures['fix']['total_bytes_per_device'] <= limit_gb * 1e9
+
+
+@pytest.mark.parametrize('flags,message', [
+    ({'devices': 0}, '--devices=0 must be at least 1'),
+    ({'devices': -4}, '--devices=-4 must be at least 1'),
+    ({'mfu': 0.0}, '--mfu=0.0 must be in (0, 1]'),
+    ({'peak_tflops': -1.0}, '--peak_tflops=-1.0 must be 0'),
+    ({'mesh': 'banana'}, "--mesh=banana is not three positive sizes"),
+    ({'mesh': '(1, 0, 1)'}, 'is not three positive sizes'),
+])
+def test_bad_flags_are_refused_before_compiling(flags, message):
+  import types
+  from flax_transformer.errors import ConfigError
+  values = types.SimpleNamespace(**{'devices': 8, 'mfu': 0.4, 'peak_tflops': 0.0, 'device_memory_gb': None,
+                                    'mesh': '', **flags})
+  with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)').replace(']', r'\]')):
+    plan.check_flags(values)
+  assert plan._take_devices_flag(['--devices=-4']) == 1 and plan._take_devices_flag(['--devices', '16']) == 16
