@@ -265,16 +265,16 @@ class MultiHeadAttention(nn.Module):
     return jnp.einsum(spec, x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
 
   @staticmethod
-  def _without_key_bias(bias, key_index):
-    """A key bias adds the same q·b to every logit of a query, which softmax cancels: its gradient is
-    pure round-off, which Adam would inflate into full-size random steps. It is held at zero."""
-    keep = np.ones(bias.shape[0], np.float32)
-    keep[key_index] = 0.0
+  def _without_key_bias(bias, parts: str):
+    """bias [len(parts), h, d] of the stacked projections named by `parts` ('qkv' or 'kv'), the key's
+    part held at zero: a key bias adds the same q·b to every logit of a query, which softmax cancels; its
+    gradient is pure round-off, which Adam would inflate into full-size random steps."""
+    keep = np.array([part != 'k' for part in parts], np.float32)
     return bias * keep[:, None, None]
 
   def project_memory(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Encoder output [b, k, e] -> (keys, values), each [b, k, h, d]."""
-    kv = self._project(memory, self.kv_kernel, self._without_key_bias(self.kv_bias, 0), 'bke,ejhd->bkjhd')  # [b, k, 2, h, d]
+    kv = self._project(memory, self.kv_kernel, self._without_key_bias(self.kv_bias, 'kv'), 'bke,ejhd->bkjhd')  # [b, k, 2, h, d]
     return kv[:, :, 0], kv[:, :, 1]
 
   def _output(self, context):
@@ -307,7 +307,7 @@ class MultiHeadAttention(nn.Module):
       [b, q, e].
     """
     if self.self_attention:
-      qkv = self._project(x, self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'bqe,ejhd->bqjhd')  # [b, q, 3, h, d]
+      qkv = self._project(x, self.qkv_kernel, self._without_key_bias(self.qkv_bias, 'qkv'), 'bqe,ejhd->bqjhd')  # [b, q, 3, h, d]
       query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [b, q, h, d]
     else:
       query = self._project(x, self.q_kernel, self.q_bias, 'bqe,ehd->bqhd')  # [b, q, h, d]
@@ -347,7 +347,7 @@ class MultiHeadAttention(nn.Module):
     """
     scale = 1.0 / np.sqrt(self.d_model // self.num_heads)  # §3.2.1, applied to float32 logits as in training
     if self.self_attention:
-      qkv = self._project(x[:, 0], self.qkv_kernel, self._without_key_bias(self.qkv_bias, 1), 'be,ejhd->bjhd')  # [bn, 3, h, d]
+      qkv = self._project(x[:, 0], self.qkv_kernel, self._without_key_bias(self.qkv_bias, 'qkv'), 'be,ejhd->bjhd')  # [bn, 3, h, d]
       cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, 1, :, :, None], step, axis=3),
                'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], qkv[:, 2, :, None, :], step, axis=2)}
       max_len = cache['value'].shape[2]

@@ -141,11 +141,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope='session')
 def gcs(tmp_path_factory):
-  """A local Google Cloud Storage (tests/gcs_emulator.py) with bucket `bucket`, one per test process (fsspec
+  """A local Google Cloud Storage (tests/helpers/gcs_emulator.py) with bucket `bucket`, one per test process (fsspec
   keeps one client per process): yields the environment variables that point the product at it, also set
   in this process from then on."""
   port = free_port()
-  server = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'gcs_emulator.py'), str(port),
+  server = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'helpers', 'gcs_emulator.py'), str(port),
                              str(tmp_path_factory.mktemp('gcs'))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   variables = {'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}', 'TENSORSTORE_GCS_HTTP_URL': f'http://127.0.0.1:{port}',
                'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false', 'EPATH_USE_TF': 'false'}

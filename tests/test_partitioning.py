@@ -17,7 +17,7 @@ from jax.experimental import mesh_utils
 from flax_transformer import checkpointing, partitioning, steps
 from flax_transformer.errors import ConfigError
 from flax_transformer.model import TransformerConfig
-from tests import multihost_worker
+from tests.helpers import multihost_worker
 from tests.conftest import random_batch, subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_process_run_matches_one_process(tmp_path):
   env = subprocess_env(None)  # the worker sets its device count
-  worker = os.path.join(ROOT, 'tests', 'multihost_worker.py')
+  worker = os.path.join(ROOT, 'tests', 'helpers', 'multihost_worker.py')
   port, multi = str(_free_port()), tmp_path / 'multi.json'
   processes = [subprocess.Popen([sys.executable, worker, str(i), '2', port, str(multi)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]

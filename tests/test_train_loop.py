@@ -174,7 +174,7 @@ def test_two_processes_wait_for_a_slow_vocabulary_and_stop_together_on_sigterm(c
   both processes at the same step, with one checkpoint saved there."""
   workdir = str(tmp_path / 'two')
   commands = [c + ['--config.checkpoint_every_steps=1000'] for c in _two_process_commands(
-      workdir, corpus, 2000, script=os.path.join(ROOT, 'tests', 'slow_vocabulary_train.py'))]
+      workdir, corpus, 2000, script=os.path.join(ROOT, 'tests', 'helpers', 'slow_vocabulary_train.py'))]
   env = dict(subprocess_env(), SLOW_VOCABULARY_SECONDS='40')
   chief, other = (subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for c in commands)
@@ -284,7 +284,7 @@ def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
   for kind, cause in (('write', 'OSError: [Errno 28] No space left on device'),
                       ('folder', 'PermissionError: [Errno 1] Operation not permitted')):
     workdir = str(tmp_path / kind)
-    command = [sys.executable, os.path.join(ROOT, 'tests', 'save_failure_worker.py')] + train_command(
+    command = [sys.executable, os.path.join(ROOT, 'tests', 'helpers', 'save_failure_worker.py')] + train_command(
         workdir, corpus, 9)[2:]
     process = subprocess.Popen(command, env=dict(subprocess_env(), FAIL_FROM_STEP='6', FAIL_KIND=kind),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

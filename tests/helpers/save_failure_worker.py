@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from flax_transformer import checkpointing  # noqa: E402
 
@@ -38,5 +38,5 @@ else:
 if __name__ == '__main__':
   import runpy
   sys.argv[0] = 'train.py'
-  runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'train.py'),
+  runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'train.py'),
                  run_name='__main__')

@@ -1,6 +1,6 @@
 """One process of a multi-host run on localhost (used by tests/test_partitioning.py).
 
-python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUTPUT_JSON
+python tests/helpers/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUTPUT_JSON
 Each process holds 8/NUM_PROCESSES CPU devices and feeds its rows of the same global batch, on a
 process-ordered mesh and on one whose data axis alternates between the processes; process 0 writes the
 losses of both. The single-process reference is `three_steps(0, 1)`, called in the test's own process.
@@ -54,7 +54,7 @@ if __name__ == '__main__':
   process_id, num_processes, port, output = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                              f' --xla_force_host_platform_device_count={8 // num_processes}')
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
   import jax
   from configs import tiny
   from flax_transformer import cluster

@@ -1,6 +1,6 @@
 """A local Google Cloud Storage for tests: pip's gcp-storage-emulator, with two GCS behaviours it lacks.
 
-python tests/gcs_emulator.py PORT DATA_DIR   (serves bucket `bucket` on 127.0.0.1:PORT until killed)
+python tests/helpers/gcs_emulator.py PORT DATA_DIR   (serves bucket `bucket` on 127.0.0.1:PORT until killed)
 
 Real GCS sends an object's generation with its content (`x-goog-generation`; TensorStore, which Orbax
 writes arrays with, needs it to read an OCDBT manifest back) and honours `ifGenerationMatch=0` on upload
