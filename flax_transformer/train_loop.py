@@ -25,6 +25,7 @@ from flax_transformer import (checkpointing, cluster, evaluation, finetuning, in
                               platforms, run_lock, steps, storage, tokenizer)
 from flax_transformer.errors import ConfigError, UserError, WorkdirError
 from flax_transformer.model import TransformerConfig
+from flax_transformer import translator
 from flax_transformer.translator import Translator
 
 METRICS_FILENAME = 'train_metrics.jsonl'
@@ -380,14 +381,14 @@ class Evaluator:
     if self.sources is None:
       pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
-      self.encoded = input_pipeline.encode_sentences(run.processor, self.sources)
+      self.encoded = translator.encode_sentences(run.processor, self.sources)
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
-    translator = Translator(params, run.model_config, run.processor, beam_size=config.beam_size,
-                            alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
-                            batch_tokens=config.eval_tokens_per_batch, top_k=config.beam_top_k)
-    return translator.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
+    model = Translator(params, run.model_config, run.processor, beam_size=config.beam_size,
+                       alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
+                       batch_tokens=config.eval_tokens_per_batch, top_k=config.beam_top_k)
+    return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
 
   def __call__(self, step: int, params, stop) -> dict:
     """The metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""

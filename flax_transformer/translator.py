@@ -13,12 +13,13 @@ compilation per batch shape and decoding choice, kept for the life of the proces
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import decode, input_pipeline, losses, platforms, tokenizer
+from flax_transformer import decode, losses, platforms, tokenizer
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import UserError, WorkdirError
 from flax_transformer.model import Transformer, TransformerConfig
@@ -52,6 +53,70 @@ def _words(processor, ids: list[int]) -> list[int]:
       current += 1
     words.append(current)
   return words
+
+
+# --- Text to batches ----------------------------------------------------------------------------
+
+def _round_up(x: int, to: int) -> int:
+  return -(-x // to) * to
+
+
+_SENTENCE_END = re.compile(r'(?<=[.!?;:])\s+')
+
+
+def encode_sentences(processor, sentences: list[str]) -> list[list[int]]:
+  """Each sentence's token ids (no EOS); a blank sentence has none."""
+  return [processor.encode(s) if s.strip() else [] for s in sentences]
+
+
+def split_at_punctuation(processor, sentence: str, limit: int) -> list[str]:
+  """`sentence` as pieces cut after sentence punctuation (. ! ? ; :) and regrouped greedily, each within
+  `limit` tokens where the punctuation allows (a piece with no such break inside stays whole, and is cut).
+
+  Each part is encoded once: a joined piece's length is its parts' plus a space's per join (SentencePiece
+  does not merge tokens across whitespace).
+  """
+  parts = _SENTENCE_END.split(sentence.strip())
+  lengths, space = [len(processor.encode(part)) for part in parts], len(processor.encode(' '))
+  pieces, current, current_length = [], parts[0], lengths[0]
+  for part, length in zip(parts[1:], lengths[1:]):
+    if current_length + space + length > limit:
+      pieces.append(current)
+      current, current_length = part, length
+    else:
+      current, current_length = f'{current} {part}', current_length + space + length
+  return pieces + [current]
+
+
+def translation_batches(encoded: list[list[int]], limit: int, batch_tokens: int,
+                        max_batch: int = 512) -> list[tuple[list[int], np.ndarray]]:
+  """Sentences' ids (`encode_sentences`) as length-sorted batches to translate, each (its sentences'
+  indices in `encoded`, right-padded ids [rows, length] int32 ending in EOS), of about `batch_tokens`
+  source tokens.
+
+  Sentences longer than `limit` tokens are cut to `limit` (plus EOS); empty ones are left out (they
+  translate to empty lines). Rows and lengths are rounded up to multiples of 8: a few shapes, a few
+  compilations; padding rows are all PAD_ID.
+  """
+  encoded = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
+  order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
+  groups, current, longest = [], [], 0
+  for i in order:
+    if current and (max(longest, len(encoded[i])) * (len(current) + 1) > batch_tokens or len(current) >= max_batch):
+      groups.append(current)
+      current, longest = [], 0
+    current.append(i)
+    longest = max(longest, len(encoded[i]))
+  if current:
+    groups.append(current)
+  batches = []
+  for indices in groups:
+    inputs = np.full((_round_up(len(indices), 8), _round_up(max(len(encoded[i]) for i in indices), 8)), PAD_ID,
+                     np.int32)  # [rows, length]
+    for row, i in enumerate(indices):
+      inputs[row, :len(encoded[i])] = encoded[i]
+    batches.append((indices, inputs))
+  return batches
 
 
 class Translator:
@@ -120,7 +185,7 @@ class Translator:
 
   def encode(self, sentences: list[str]) -> list[list[int]]:
     """Each sentence's token ids (no EOS; a blank sentence has none)."""
-    return input_pipeline.encode_sentences(self.processor, sentences)
+    return encode_sentences(self.processor, sentences)
 
   def too_long(self, encoded: list[list[int]]) -> list[int]:
     """Indices of the sentences (as `encode` gives them) longer than the model takes."""
@@ -141,7 +206,7 @@ class Translator:
     if split_long and self.too_long(encoded):
       long, pieces, owners = set(self.too_long(encoded)), [], []
       for i, (sentence, ids) in enumerate(zip(sentences, encoded)):
-        split = (input_pipeline.split_at_punctuation(self.processor, sentence, self.max_source_tokens)
+        split = (split_at_punctuation(self.processor, sentence, self.max_source_tokens)
                  if i in long else None)
         pieces += self.encode(split) if split else [ids]
         owners += [i] * (len(split) if split else 1)
@@ -200,7 +265,7 @@ class Translator:
     alpha = self.alpha if alpha is None else alpha
     _check_beam(beam_size, alpha)
     results = [[] for _ in encoded]
-    batches = input_pipeline.translation_batches(encoded, self.max_source_tokens, self.batch_tokens)
+    batches = translation_batches(encoded, self.max_source_tokens, self.batch_tokens)
     total, done = sum(len(indices) for indices, _ in batches), 0
     for indices, inputs in batches:
       if should_stop and should_stop():
@@ -230,7 +295,7 @@ class Translator:
     # Batched by the longer side: a stand-in of that many ids gets the shape (its length + EOS) of each pair.
     longer = [[EOS_ID] * max(len(s), len(t), 1) for s, t in zip(source_ids, target_ids)]
     scores, attention = [0.0] * len(sources), [None] * len(sources)
-    batches = input_pipeline.translation_batches(longer, limit, self.batch_tokens)
+    batches = translation_batches(longer, limit, self.batch_tokens)
     function = _jitted_teacher_forced(self.model, with_attention, layer if with_attention else -1)
     for indices, shape in batches:
       inputs, outputs = np.zeros(shape.shape, np.int32), np.zeros(shape.shape, np.int32)  # [rows, length]

@@ -130,19 +130,6 @@ def test_long_lines_are_counted_and_can_be_split(trained, tmp_path):
   assert pieces >= 3  # the long line went in pieces (this 6-step model's translations are mostly empty)
 
 
-def test_split_pieces_stay_within_the_limit():
-  from flax_transformer import input_pipeline
-
-  class Characters:  # a stand-in tokenizer: one token per character
-    encode = staticmethod(lambda text: list(text))
-
-  sentence = 'One two. Three four five! Six? Seven eight nine ten.'
-  pieces = input_pipeline.split_at_punctuation(Characters, sentence, 20)
-  assert ' '.join(pieces) == sentence
-  assert pieces == ['One two.', 'Three four five!', 'Six?', 'Seven eight nine ten.']
-  assert input_pipeline.split_at_punctuation(Characters, sentence, 100) == [sentence]
-
-
 @pytest.mark.slow
 def test_a_reference_of_another_length_is_refused_before_decoding(trained, tmp_path):
   workdir, _ = trained

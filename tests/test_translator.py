@@ -10,6 +10,7 @@ import pytest
 from flax_transformer import decode, steps, tokenizer
 from flax_transformer.errors import UserError
 from flax_transformer.model import Transformer, TransformerConfig
+from flax_transformer import translator as translator_module
 from flax_transformer.translator import Translator
 from tests.test_input_pipeline import write_corpus
 
@@ -123,3 +124,14 @@ def test_from_workdir_names_missing_checkpoints(trained_run, tmp_path):
   translator = Translator.from_workdir(workdir, step=12)
   assert translator.checkpoints == (12,) and translator.beam_size == 4
   assert translator.translate(['the cat sat']) == Translator.from_workdir(workdir, average_last=1).translate(['the cat sat'])
+
+
+def test_split_pieces_stay_within_the_limit():
+  class Characters:  # a stand-in tokenizer: one token per character
+    encode = staticmethod(lambda text: list(text))
+
+  sentence = 'One two. Three four five! Six? Seven eight nine ten.'
+  pieces = translator_module.split_at_punctuation(Characters, sentence, 20)
+  assert ' '.join(pieces) == sentence
+  assert pieces == ['One two.', 'Three four five!', 'Six?', 'Seven eight nine ten.']
+  assert translator_module.split_at_punctuation(Characters, sentence, 100) == [sentence]
