@@ -1,7 +1,6 @@
-"""Parallel text -> SentencePiece ids -> length-bucketed token batches (§5.1), with tf.data.
+"""The pipeline's last stage: length-bucketed training batches (§5.1) from the token table, with tf.data.
 
-Two sources behind one interface: a tfds dataset (`config.dataset='wmt14_translate/de-en'`) or
-plain/.gz text files, one sentence a line (`config.dataset='files'`).
+The stages: parallel_text.py (text pairs) -> token_table.py (SentencePiece ids in memory) -> this module.
 
 Training, on one process or many. Each data shard (the processes that feed the same rows of the global
 batch; one per host on a data-parallel mesh) tokenises its 1/shards of the split once into an in-memory
@@ -22,270 +21,20 @@ The iterator's state is a handful of integers (the step and each shape's batch p
 process with each checkpoint; resume is exact. `tokens_per_batch` is the global batch (the paper's
 ~25,000 source and ~25,000 target tokens), split across shards and devices.
 
-Evaluation: every process reads the whole split and builds the same batches in file order (the last one
-padded with all-padding rows, weight 0), so the global evaluation batch is the same on every process.
-
 Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
 """
-import dataclasses
-import gzip
-import itertools
 import json
-import os
 import sys
 import time
-import zlib
 
 import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import bucketing, cluster, storage
-from flax_transformer.constants import EOS_ID, PAD_ID
+from flax_transformer import bucketing, cluster
+from flax_transformer.parallel_text import DataError, python_pairs
 from flax_transformer.errors import UserError
-
-
-
-class DataError(UserError):
-  """Input data that cannot be used; the message says what and how to fix it."""
-
-
-# --- Sources -------------------------------------------------------------------------------
-
-def read_lines(path: str) -> list[str]:
-  """Lines of a plain or gzipped UTF-8 file, without newlines."""
-  _check_file(path)
-  data = storage.path(path).read_bytes()
-  if path.endswith('.gz'):
-    try:
-      data = gzip.decompress(data)
-    except (OSError, EOFError, zlib.error) as error:
-      raise _damaged_gzip(path, error) from None
-  return decode_lines(data, path)
-
-
-def decode_lines(data: bytes, name: str) -> list[str]:
-  """UTF-8 bytes -> lines without newlines; a bad line is a one-line error naming `name` and its number."""
-  lines = data.split(b'\n')
-  if lines and lines[-1] == b'':
-    lines.pop()
-  return [decode_line(line.rstrip(b'\r'), name, number) for number, line in enumerate(lines, 1)]
-
-
-def decode_line(line: bytes, name: str, number: int) -> str:
-  """One line's bytes as text, or a one-line error naming `name` and the line's number."""
-  try:
-    return line.decode('utf-8')
-  except UnicodeDecodeError as error:
-    raise DataError(f'{name}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
-                    f're-encode the file as UTF-8') from None
-
-
-def _damaged_gzip(path: str, error: BaseException) -> DataError:
-  reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-  return DataError(f'{path} is not a readable gzip file ({reason}); download or copy it again, or give it '
-                   f'without the .gz suffix if it is plain text')
-
-
-def _check_file(path: str) -> None:
-  if not path:
-    raise DataError('a data file path is empty; set the config.*_source / config.*_target paths')
-  if not storage.path(path).exists():
-    raise DataError(f'data file {path} does not exist; check the path (override with --config.<field>=PATH)')
-
-
-def _raw_lines(path: str):
-  """The lines of a plain or gzipped file as bytes, without line ends, streamed (never the whole file)."""
-  with storage.path(path).open('rb') as raw:
-    stream = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
-    try:
-      for line in stream:
-        yield line.rstrip(b'\n').rstrip(b'\r')
-    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
-      raise _damaged_gzip(path, error) from None
-
-
-def _utf8(line: bytes, path: str, number: int) -> bytes:
-  decode_line(line, path, number)
-  return line
-
-
-def parallel_lines(source_path: str, target_path: str, shard: tuple[int, int] = (0, 1)):
-  """(source, target) UTF-8 bytes of every count-th line pair from the index-th (shard = (index, count)),
-  read line by line from both files at once; the lines of other shards are skipped as they are read."""
-  index, count = shard
-  for path in (source_path, target_path):
-    _check_file(path)
-  sources, targets, number = _raw_lines(source_path), _raw_lines(target_path), 0
-  for number, (source, target) in enumerate(itertools.zip_longest(sources, targets), 1):
-    if source is None or target is None:  # one file ended first: count the other's lines for the message
-      longer = sum(1 for _ in (targets if source is None else sources)) + number
-      lengths = (number - 1, longer) if source is None else (longer, number - 1)
-      raise DataError(f'{source_path} has {lengths[0]} lines but {target_path} has {lengths[1]}; '
-                      f'parallel files must have one sentence per line, line for line')
-    if (number - 1) % count == index:
-      yield _utf8(source, source_path, number), _utf8(target, target_path, number)
-  if number == 0:
-    raise DataError(f'{source_path} is empty; a corpus needs at least one sentence pair')
-
-
-def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
-  """Both files whole, as lists of lines (for inspection and small files; training streams them)."""
-  pairs = [(s.decode('utf-8'), t.decode('utf-8')) for s, t in parallel_lines(source_path, target_path)]
-  return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-def _split_paths(config, split: str) -> tuple[str, str]:
-  """The split's (source, target) files; a missing one is a one-line error naming its config field."""
-  paths = {f'{split}_{side}': config[f'{split}_{side}'] for side in ('source', 'target')}
-  for field, path in paths.items():
-    if path and not storage.path(path).exists():
-      raise DataError(f'config.{field}={path} does not exist; set the path (--config.{field}=PATH); for '
-                      f'Multi30k, python tools/get_multi30k.py --dir=DIR downloads it, then '
-                      f'--config=configs/multi30k.py:DIR')
-  return tuple(paths.values())
-
-
-def _tfds_builder(config):
-  import tensorflow_datasets as tfds
-  data_dir = config.data_dir or os.environ.get('TFDS_DATA_DIR') or None
-  try:
-    builder = tfds.builder(config.dataset, data_dir=data_dir)
-  except Exception as error:  # tfds raises several types for unknown names / configs
-    raise DataError(f'config.dataset={config.dataset!r} is not a tfds dataset ({type(error).__name__}); '
-                    f"use e.g. 'wmt14_translate/de-en' or 'files'") from None
-  return builder
-
-
-def _not_prepared(config, builder) -> DataError:
-  return DataError(f'tfds dataset {config.dataset} is not prepared in {builder.data_dir} and this run will not '
-                   f'download it; on a machine with internet run `tfds build {config.dataset} '
-                   f'--data_dir=DIR`, then set TFDS_DATA_DIR=DIR or --config.data_dir=DIR')
-
-
-def _tfds_split(config, split: str) -> str:
-  return {'train': config.train_split, 'eval': config.eval_split, 'test': config.test_split}[split]
-
-
-def text_pairs(config, split: str, shard: tuple[int, int] = (0, 1)):
-  """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file order.
-
-  shard = (index, count): this process's 1/count of the split, disjoint from the other shards and together
-  covering it. Text files: every count-th line pair from the index-th, streamed (other lines skipped as they
-  are read). tfds: the index-th of `count` even sub-splits (tfds.even_splits), the only examples decoded.
-  """
-  if config.dataset == 'files':
-    yield from parallel_lines(*_split_paths(config, split), shard)
-    return
-  import tensorflow_datasets as tfds
-  builder = _tfds_builder(config)
-  index, count = shard
-  name = _tfds_split(config, split)
-  try:
-    dataset = builder.as_dataset(split=tfds.even_splits(name, n=count)[index] if count > 1 else name,
-                                 shuffle_files=False)
-  except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
-    raise _not_prepared(config, builder) from None
-  source_lang, target_lang = config.source_lang, config.target_lang
-  for example in dataset.map(lambda ex: (ex[source_lang], ex[target_lang])).as_numpy_iterator():
-    yield example
-
-
-def python_pairs(config, split: str = 'train'):
-  """Iterator of (source, target) Python strings, e.g. to train the vocabulary."""
-  for source, target in text_pairs(config, split):
-    yield source.decode('utf-8'), target.decode('utf-8')
-
-
-# --- Tokenisation into in-memory tables ----------------------------------------------------------
-
-def tokenize(pairs, vocab_path: str, batch_size: int = 1024):
-  """(source, target) string pairs -> batches of (source, target) ragged int32 ids ending in EOS, with
-  tensorflow-text's op, batched so one call encodes many sentences, in parallel across cores. An error met
-  while reading `pairs` (a DataError) is raised as itself once the batches before it are out."""
-  import tensorflow_text as tf_text
-  tokenizer = tf_text.SentencepieceTokenizer(model=storage.path(vocab_path).read_bytes(), add_eos=True)
-  errors = []
-
-  def batches():
-    iterator = iter(pairs)
-    try:
-      while batch := list(itertools.islice(iterator, batch_size)):
-        yield [p[0] for p in batch], [p[1] for p in batch]
-    except UserError as error:  # tf.data would turn it into an op error without its message
-      errors.append(error)
-
-  strings = tf.TensorSpec([None], tf.string)
-  dataset = tf.data.Dataset.from_generator(batches, output_signature=(strings, strings))
-  yield from dataset.map(lambda s, t: (tokenizer.tokenize(s), tokenizer.tokenize(t)),
-                         num_parallel_calls=tf.data.AUTOTUNE)
-  if errors:
-    raise errors[0]
-
-
-@dataclasses.dataclass
-class Side:
-  """One side of a table: the ids of every row, concatenated, and each row's length."""
-  values: np.ndarray  # [total tokens] uint16 (vocabularies up to 65,536) or int32
-  lengths: np.ndarray  # [rows] int64
-
-  def select(self, keep: np.ndarray) -> 'Side':
-    return Side(self.values[np.repeat(keep, self.lengths)], self.lengths[keep])
-
-  def ragged(self) -> tf.RaggedTensor:  # [rows, None]
-    return tf.RaggedTensor.from_row_lengths(self.values, self.lengths)
-
-  def padded(self, rows: np.ndarray, length: int) -> np.ndarray:
-    """Rows `rows` as a [len(rows), length] int32 array, right-padded with PAD_ID."""
-    starts = np.concatenate([[0], np.cumsum(self.lengths)])
-    out = np.full((len(rows), length), PAD_ID, np.int32)
-    for row, i in enumerate(rows):
-      out[row, :self.lengths[i]] = self.values[starts[i]:starts[i + 1]]
-    return out
-
-
-@dataclasses.dataclass
-class TokenTable:
-  """Sentence pairs as ids (EOS included), held in memory: one shard of a split."""
-  sources: Side
-  targets: Side
-  dropped: int = 0  # pairs over the length limit on either side, left out
-
-  def __len__(self) -> int:
-    return len(self.sources.lengths)
-
-  def histogram(self, max_length: int) -> np.ndarray:
-    """[max_length + 1, max_length + 1] pairs of each (source length, target length)."""
-    cells = self.sources.lengths * (max_length + 1) + self.targets.lengths
-    return np.bincount(cells, minlength=(max_length + 1) ** 2).reshape(max_length + 1, max_length + 1)
-
-
-def token_table(pairs, vocab_path: str, max_length: int, truncate: bool = False) -> TokenTable:
-  """Tokenises string pairs into a table. Pairs with a side over `max_length` tokens are dropped and
-  counted, or with `truncate` cut to `max_length` tokens ending in EOS (evaluation: every sentence kept)."""
-  parts, dropped = {'sources': ([], []), 'targets': ([], [])}, 0
-  for batch in tokenize(pairs, vocab_path):  # filtered and narrowed batch by batch: the peak stays near the table
-    sides = [(ragged.flat_values.numpy(), ragged.row_lengths().numpy()) for ragged in batch]
-    if not truncate:
-      too_long = (sides[0][1] > max_length) | (sides[1][1] > max_length)
-      if too_long.any():
-        dropped += int(too_long.sum())
-        sides = [(values[np.repeat(~too_long, lengths)], lengths[~too_long]) for values, lengths in sides]
-    for (values, lengths), (batch_values, batch_lengths) in zip(parts.values(), sides):
-      small = batch_values.size == 0 or batch_values.max() < 2 ** 16  # vocabularies up to 65,536 ids
-      values.append(batch_values.astype(np.uint16) if small else batch_values)
-      lengths.append(batch_lengths.astype(np.int64))
-  table = TokenTable(**{name: Side(np.concatenate(values) if values else np.zeros([0], np.uint16),
-                                   np.concatenate(lengths) if lengths else np.zeros([0], np.int64))
-                        for name, (values, lengths) in parts.items()}, dropped=dropped)
-  if not truncate:
-    return table
-  for side in (table.sources, table.targets):
-    starts = np.concatenate([[0], np.cumsum(side.lengths)])[:-1]
-    keep = np.arange(side.values.size) - np.repeat(starts, side.lengths) < max_length - 1  # first max_length-1 ids
-    keep[np.cumsum(side.lengths) - 1] = True  # and the EOS
-    side.values, side.lengths = side.values[keep], np.minimum(side.lengths, max_length)
-  return table
+from flax_transformer.token_table import TokenTable, train_table
 
 
 # --- Training batches ------------------------------------------------------------------------
@@ -392,16 +141,6 @@ def train_batches(table: TokenTable, plan: bucketing.BatchPlan, shard: tuple[int
   return TrainBatches(dataset.with_options(options).prefetch(tf.data.AUTOTUNE), state, plan)
 
 
-def train_table(config, vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
-  """One shard of the training split, tokenised; a shard with no usable pair is a one-line error."""
-  table = token_table(text_pairs(config, 'train', shard), vocab_path, config.max_length)
-  if not len(table):
-    raise DataError(f'training data shard {shard[0]} of {shard[1]} holds no sentence pair of at most '
-                    f'config.max_length={config.max_length} tokens ({table.dropped} longer ones dropped); '
-                    f'use a larger training split or fewer data shards, or raise config.max_length')
-  return table
-
-
 def train_plan(config, histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.BatchPlan:
   """The batch plan of a global length histogram; global batch sizes are multiples of data-parallel × k."""
   return bucketing.make_plan(histogram, dropped, config.num_bucket_boundaries, config.tokens_per_batch,
@@ -443,35 +182,6 @@ def process_train_batches(config, vocab_path: str, shard: tuple[int, int], data_
                     f'or mesh (this process: shard {list(shard)}); rerun with --config.restore_data_state=false '
                     f'to restart the data stream')
   return train_batches(table, plan, shard, seed, state)
-
-
-# --- Evaluation batches ------------------------------------------------------------------------
-
-def eval_batches(config, vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
-  """Every sentence pair of `split`, in order, as global batches {'inputs': [B, S], 'targets': [B, T]}.
-
-  B is fixed (a multiple of the data-parallel size); each side is padded to the bucket of its longest
-  row, the last batch with empty rows. Sentences over `config.eval_max_length` tokens are truncated
-  (keeping the EOS). Every process builds the same list.
-  """
-  max_length = config.eval_max_length
-  table = token_table(text_pairs(config, split), vocab_path, max_length, truncate=True)
-  longer = np.maximum(table.sources.lengths, table.targets.lengths)
-  boundaries = bucketing.bucket_boundaries(np.bincount(longer, minlength=max_length + 1),
-                                           config.num_bucket_boundaries)
-  batch_size = max(data_parallel_size, config.eval_tokens_per_batch // max_length
-                   // data_parallel_size * data_parallel_size)
-  batches = []
-  for start in range(0, len(table), batch_size):
-    rows = np.arange(start, min(start + batch_size, len(table)))
-    batch = {}
-    for name, side in (('inputs', table.sources), ('targets', table.targets)):
-      length = boundaries[int(np.searchsorted(boundaries, side.lengths[rows].max()))]
-      padded = np.zeros((batch_size, length), np.int32)
-      padded[:len(rows)] = side.padded(rows, length)
-      batch[name] = padded
-    batches.append(batch)
-  return batches
 
 
 # --- Inspection ------------------------------------------------------------------------------

@@ -184,9 +184,6 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
 
 
-ATTENTION_IMPLEMENTATIONS = ('xla', 'cudnn', 'explicit')
-
-
 def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_method='hash'):
   """§3.2.1: softmax(QKᵀ/√d + bias) V, written out: the reference for `library_attention`, and the path that
   returns the weights (attention pictures) and applies attention dropout (which the library does not).
@@ -235,7 +232,7 @@ class MultiHeadAttention(nn.Module):
   attention_dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   dropout_method: str = 'hash'  # See dropout_keep_mask.
-  implementation: str = 'xla'  # One of ATTENTION_IMPLEMENTATIONS: jax.nn.dot_product_attention's, or 'explicit'.
+  implementation: str = 'xla'  # One of platforms.ATTENTION: jax.nn.dot_product_attention's, or 'explicit'.
 
   def setup(self):
     head_dim = self.d_model // self.num_heads

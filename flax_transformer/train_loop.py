@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from flax_transformer import (checkpointing, cluster, evaluation, finetuning, input_pipeline, optim, partitioning,
-                              platforms, run_lock, steps, storage, tokenizer)
+from flax_transformer import (checkpointing, cluster, evaluation, finetuning, input_pipeline, optim, parallel_text,
+                              partitioning, platforms, run_lock, steps, storage, token_table, tokenizer)
 from flax_transformer.errors import ConfigError, UserError, WorkdirError
 from flax_transformer.model import TransformerConfig
 from flax_transformer import translator
@@ -204,7 +204,7 @@ class Run:
 def _vocabulary(config, workdir: str, is_chief: bool):
   """Trained once by process 0 into the workdir, then read by every process: (processor, path)."""
   if is_chief:
-    tokenizer.train_or_load(config, workdir, lambda: input_pipeline.python_pairs(config))
+    tokenizer.train_or_load(config, workdir, lambda: parallel_text.python_pairs(config))
   if jax.process_count() > 1:  # a coordination-service barrier: a device collective on CPU gives up after 30 s
     from orbax.checkpoint import multihost
     multihost.get_barrier_sync_fn()(key='vocabulary', timeout_ms=VOCABULARY_TIMEOUT_SECONDS * 1000)
@@ -379,7 +379,7 @@ class Evaluator:
   def _translate(self, params, should_stop):
     config, run = self.run.config, self.run
     if self.sources is None:
-      pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+      pairs = list(parallel_text.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
       self.encoded = translator.encode_sentences(run.processor, self.sources)
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
@@ -395,7 +395,7 @@ class Evaluator:
     config, run, should_stop = self.run.config, self.run, lambda: stop.received is not None
     if self.batches is None:
       dp_size = partitioning.data_parallel_size(run.mesh)
-      self.batches = input_pipeline.eval_batches(config, run.vocab_path, 'eval', dp_size)
+      self.batches = token_table.eval_batches(config, run.vocab_path, 'eval', dp_size)
     results = evaluation.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
     if results is not None and config.num_eval_bleu_sentences > 0:
       hypotheses = self._translate(params, should_stop)

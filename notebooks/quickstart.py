@@ -153,14 +153,14 @@ plt.show()
 # ## Restore from the Orbax checkpoint (parameters only, averaged) and translate with beam search
 
 # %%
-from flax_transformer import Translator, evaluation, input_pipeline
+from flax_transformer import Translator, evaluation, parallel_text
 from flax_transformer.constants import EOS_ID
 from flax_transformer.model import Transformer
 
 translator = Translator.from_workdir(WORKDIR)  # parameters only, the last config.average_last averaged
 params, model_config, processor = translator.params, translator.model_config, translator.processor
-sources = input_pipeline.read_lines(config.test_source)[:8 if TINY else 200]
-references = input_pipeline.read_lines(config.test_target)[:len(sources)]
+sources = parallel_text.read_lines(config.test_source)[:8 if TINY else 200]
+references = parallel_text.read_lines(config.test_target)[:len(sources)]
 translations = translator.translate(sources)  # beam 4, α 0.6, max length = input + 50
 for source, translation in list(zip(sources, translations))[:3]:
   print(f'{source}\n  -> {translation}')

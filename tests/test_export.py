@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import checkpointing, input_pipeline, tokenizer
+from flax_transformer import checkpointing, parallel_text, tokenizer
 from flax_transformer.model import Transformer, TransformerConfig
 from tests.conftest import ROOT, subprocess_env
 
@@ -21,11 +21,12 @@ EXTRA = 10  # output length = input + EXTRA, in both decoders
 
 def _sentences():
   if os.path.exists(os.path.join(MULTI30K, 'val.en.gz')):
-    return (input_pipeline.read_lines(os.path.join(MULTI30K, 'val.en.gz'))[:200],
-            input_pipeline.read_lines(os.path.join(MULTI30K, 'val.de.gz'))[:200])
+    return (parallel_text.read_lines(os.path.join(MULTI30K, 'val.en.gz'))[:200],
+            parallel_text.read_lines(os.path.join(MULTI30K, 'val.de.gz'))[:200])
+  import tempfile
   from tests.test_input_pipeline import write_corpus
-  _, sources, targets = write_corpus('/tmp', 200, 7, 'export_sentences')
-  return sources, targets
+  _, source_lines, target_lines = write_corpus(tempfile.mkdtemp(), 200, 7, 'export_sentences')
+  return source_lines, target_lines
 
 
 @pytest.fixture(scope='module', params=[(False, True), (True, False)], ids=['post_ln_shared', 'pre_ln_untied'])

@@ -1,4 +1,4 @@
-"""Vocabulary and batches: tfds WMT14 path (mocked), text files, Multi30k; bucketing invariants; errors."""
+"""Vocabulary, token tables and training batches: the tfds WMT14 path (mocked), text files, sharding; bucketing invariants."""
 
 import gzip
 import json
@@ -9,8 +9,7 @@ import tensorflow as tf
 import pytest
 import tensorflow_datasets as tfds
 
-from configs import multi30k
-from flax_transformer import bucketing, input_pipeline, tokenizer
+from flax_transformer import bucketing, input_pipeline, parallel_text, token_table, tokenizer
 
 WORDS = 'the a cat dog sat on mat runs fast slow red blue house tree big small man woman child ball'.split()
 
@@ -47,7 +46,7 @@ def files_config(tiny_config, tmp_path):
 @pytest.fixture
 def vocab(files_config, tmp_path):
   processor, path = tokenizer.train_or_load(files_config, str(tmp_path / 'work'),
-                                            lambda: input_pipeline.python_pairs(files_config))
+                                            lambda: parallel_text.python_pairs(files_config))
   return processor, path
 
 
@@ -65,7 +64,7 @@ def test_vocabulary_is_trained_once_and_reserves_ids(files_config, vocab, tmp_pa
 
 def one_process_batches(config, vocab_path, data_parallel_size=1, **kwargs):
   """The training batches of a one-process run: one shard, its own histogram."""
-  table = input_pipeline.train_table(config, vocab_path)
+  table = token_table.train_table(config, vocab_path)
   plan = input_pipeline.train_plan(config, table.histogram(config.max_length), table.dropped, data_parallel_size)
   return input_pipeline.train_batches(table, plan, **kwargs)
 
@@ -86,7 +85,7 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
     for source, target in zip(batch['inputs'], batch['targets']):
       if target.any():
         seen.append((tokenizer.decode_ids(processor, source), tokenizer.decode_ids(processor, target)))
-  expected = list(input_pipeline.python_pairs(files_config))
+  expected = list(parallel_text.python_pairs(files_config))
   assert len(seen) == len(expected) and sorted(seen) == sorted(expected)  # nothing lost, nothing duplicated
   assert stream.plan.dropped == 0
   shapes = {(b['inputs'].shape, b['targets'].shape) for b in batches}
@@ -114,7 +113,7 @@ def test_too_long_pairs_are_dropped_and_counted(files_config, vocab):
   batches = list(stream)
   kept = sum(int(b['targets'].any(1).sum()) for b in batches)
   processor = tokenizer.load(path)
-  too_long = sum(1 for s, t in input_pipeline.python_pairs(files_config)
+  too_long = sum(1 for s, t in parallel_text.python_pairs(files_config)
                  if max(len(processor.encode(s)), len(processor.encode(t))) + 1 > 6)
   assert stream.plan.dropped == too_long > 0
   assert kept == 300 - too_long
@@ -132,9 +131,9 @@ def test_same_seed_same_batches_other_seed_other_order(files_config, vocab):
 
 def test_eval_batches_keep_order_and_every_sentence(files_config, vocab):
   processor, path = vocab
-  batches = input_pipeline.eval_batches(files_config, path, data_parallel_size=2)
+  batches = token_table.eval_batches(files_config, path, data_parallel_size=2)
   rows = [(s, t) for b in batches for s, t in zip(b['inputs'], b['targets']) if t.any()]
-  expected = list(input_pipeline.python_pairs(files_config, 'eval'))
+  expected = list(parallel_text.python_pairs(files_config, 'eval'))
   assert len(rows) == len(expected) == 37
   assert [(tokenizer.decode_ids(processor, s), tokenizer.decode_ids(processor, t)) for s, t in rows] == expected
   assert len({b['inputs'].shape[0] for b in batches}) == 1 and batches[0]['inputs'].shape[0] % 2 == 0
@@ -144,16 +143,16 @@ def test_wmt14_through_tfds(tiny_config, tmp_path):
   tiny_config.dataset = 'wmt14_translate/de-en'
   with tfds.testing.mock_data(num_examples=40):
     processor, path = tokenizer.train_or_load(tiny_config, str(tmp_path),
-                                              lambda: input_pipeline.python_pairs(tiny_config))
+                                              lambda: parallel_text.python_pairs(tiny_config))
     batch = next(one_process_batches(tiny_config, path))
-    eval_rows = sum(int(b['targets'].any(1).sum()) for b in input_pipeline.eval_batches(tiny_config, path))
+    eval_rows = sum(int(b['targets'].any(1).sum()) for b in token_table.eval_batches(tiny_config, path))
   assert batch['inputs'].ndim == 2 and batch['inputs'].dtype == np.int32
   assert eval_rows == 40
 
 
 def _shard_streams(config, path, shards, data_parallel_size):
   """What each of `shards` processes builds: its own table, the summed histogram, one plan each."""
-  tables = [input_pipeline.train_table(config, path, (i, shards)) for i in range(shards)]
+  tables = [token_table.train_table(config, path, (i, shards)) for i in range(shards)]
   histogram = sum(t.histogram(config.max_length) for t in tables)
   plans = [input_pipeline.train_plan(config, histogram, sum(t.dropped for t in tables), data_parallel_size)
            for _ in tables]
@@ -180,13 +179,13 @@ def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path,
   config.tokens_per_batch, config.gradient_accumulation_steps = 1024, 2
   paths, _, _ = write_corpus(str(tmp_path), 900, 3, 'long')
   config.train_source, config.train_target = paths
-  mock = tfds.testing.mock_data(as_dataset_fn=_wmt_from(*input_pipeline.read_parallel_files(*paths)))
+  mock = tfds.testing.mock_data(as_dataset_fn=_wmt_from(*parallel_text.read_parallel_files(*paths)))
   if source == 'tfds':
     config.dataset = 'wmt14_translate/de-en'
     mock.__enter__()
   try:
-    _, path = tokenizer.train_or_load(config, str(tmp_path / source), lambda: input_pipeline.python_pairs(config))
-    whole = input_pipeline.train_table(config, path)
+    _, path = tokenizer.train_or_load(config, str(tmp_path / source), lambda: parallel_text.python_pairs(config))
+    whole = token_table.train_table(config, path)
     tables, streams = _shard_streams(config, path, 2, data_parallel_size=4)
     steps = [[next(stream) for _ in range(60)] for stream in streams]
   finally:
@@ -241,50 +240,6 @@ def test_batch_plan_weights_shapes_by_batches_per_epoch(files_config, vocab):
   assert counts[expected == 0].sum() == 0
 
 
-def test_multi30k_files_by_path(tmp_path):
-  config = multi30k.get_config()
-  if not os.path.exists(config.train_source):
-    pytest.skip('../shared/data/multi30k is not beside this checkout')
-  pairs = input_pipeline.python_pairs(config, 'test')
-  first = next(pairs)
-  assert first[0].startswith('A man') and first[1]
-  assert len(input_pipeline.read_lines(config.eval_source)) == 1014
-
-
-@pytest.mark.parametrize('case,message', [
-    ('missing', 'does not exist'),
-    ('counts', 'has 3 lines but'),
-    ('empty', 'is empty'),
-    ('utf8', 'line 2 is not valid UTF-8'),
-])
-def test_bad_files_are_one_line_errors(tmp_path, case, message):
-  good = tmp_path / 'good.txt'
-  good.write_text('a\nb\nc\n')
-  other = tmp_path / 'other.txt'
-  if case == 'missing':
-    other = tmp_path / 'nope.txt'
-  elif case == 'counts':
-    other.write_text('a\nb\n')
-  elif case == 'empty':
-    good.write_text('')
-    other.write_text('')
-  else:
-    other.write_bytes(b'ok\n\xff\xfe bad\nc\n')
-  with pytest.raises(input_pipeline.DataError) as error:
-    input_pipeline.read_parallel_files(str(good), str(other))
-  assert message in str(error.value) and '\n' not in str(error.value)
-
-
-def test_tfds_errors_say_how_to_fix(tiny_config, tmp_path):
-  tiny_config.dataset = 'no_such_dataset_xyz'
-  with pytest.raises(input_pipeline.DataError, match='is not a tfds dataset'):
-    next(input_pipeline.python_pairs(tiny_config))
-  tiny_config.dataset = 'wmt14_translate/de-en'
-  tiny_config.data_dir = str(tmp_path)
-  with pytest.raises(input_pipeline.DataError, match='tfds build wmt14_translate/de-en'):
-    next(input_pipeline.python_pairs(tiny_config))
-
-
 def test_iterator_state_resumes_the_stream(files_config, vocab):
   _, path = vocab
   stream = one_process_batches(files_config, path)
@@ -299,8 +254,8 @@ def test_iterator_state_resumes_the_stream(files_config, vocab):
 
 
 def test_a_shard_without_data_is_a_one_line_error(files_config, vocab):
-  with pytest.raises(input_pipeline.DataError) as error:
-    input_pipeline.train_table(files_config, vocab[1], (299, 400))  # 300 pairs: shard 299 of 400 is empty
+  with pytest.raises(parallel_text.DataError) as error:
+    token_table.train_table(files_config, vocab[1], (299, 400))  # 300 pairs: shard 299 of 400 is empty
   assert 'shard 299 of 400 holds no sentence pair' in str(error.value) and '\n' not in str(error.value)
 
 
@@ -308,14 +263,3 @@ def test_a_global_batch_too_small_for_the_devices_is_a_one_line_error(files_conf
   files_config.tokens_per_batch = 64
   with pytest.raises(bucketing.PlanError, match='config.tokens_per_batch=64 cannot hold 8 sentences of'):
     one_process_batches(files_config, vocab[1], data_parallel_size=8)
-
-
-def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):
-  good = gzip.compress(b'one\ntwo\nthree\n')
-  (tmp_path / 'cut.gz').write_bytes(good[:-6])  # truncated: EOFError inside gzip
-  (tmp_path / 'plain.gz').write_bytes(b'one\ntwo\n')  # not gzip at all: BadGzipFile
-  for name in ('cut.gz', 'plain.gz'):
-    path = str(tmp_path / name)
-    for read in (lambda: input_pipeline.read_lines(path), lambda: list(input_pipeline.parallel_lines(path, path))):
-      with pytest.raises(input_pipeline.DataError, match=f'{name} is not a readable gzip file .*download or copy it again'):
-        read()

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from tools import compare_runs
-from flax_transformer import checkpointing, evaluation, input_pipeline, partitioning, steps, storage, tokenizer
+from flax_transformer import checkpointing, evaluation, parallel_text, partitioning, steps, storage, token_table, tokenizer
 from flax_transformer.model import TransformerConfig
 from flax_transformer.translator import Translator
 from tests.test_input_pipeline import write_corpus
@@ -128,8 +128,8 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
                               capture_output=True, text=True, timeout=300)
   assert translated.returncode == 0, translated.stderr[-2000:]
   assert 'BLEU = ' in translated.stderr
-  lines = input_pipeline.read_lines('gs://bucket/eval.de.gz')
-  assert len(lines) == len(input_pipeline.read_lines(f'{bucket_corpus}/eval.src.gz')) == 24
+  lines = parallel_text.read_lines('gs://bucket/eval.de.gz')
+  assert len(lines) == len(parallel_text.read_lines(f'{bucket_corpus}/eval.src.gz')) == 24
   assert list(cwd.iterdir()) == []  # nothing was written where the processes ran
 
 
@@ -148,11 +148,11 @@ def test_evaluation_equals_one_process(corpus, reference, tiny_config):
   eval_step = partitioning.jit_eval_step(functools.partial(steps.eval_step, model_config=model_config,
                                                            label_smoothing=config.label_smoothing),
                                          mesh, shardings.params)
-  batches = input_pipeline.eval_batches(config, vocab_path, 'eval', 8)
+  batches = token_table.eval_batches(config, vocab_path, 'eval', 8)
   sharding = partitioning.batch_sharding(mesh)
   results = evaluation.evaluate_loss(eval_step, state.params, batches,
                                      lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()})
-  pairs = list(input_pipeline.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+  pairs = list(parallel_text.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
   hypotheses = Translator(jax.device_get(state.params), model_config, processor, beam_size=config.beam_size,
                           alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
                           batch_tokens=config.eval_tokens_per_batch).translate([p[0] for p in pairs])

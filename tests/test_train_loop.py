@@ -49,8 +49,8 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
   config.eval_every_steps = 3
   workdir = str(tmp_path / 'work')
   built = []
-  monkeypatch.setattr(train_loop.input_pipeline, 'eval_batches',
-                      lambda *args, f=train_loop.input_pipeline.eval_batches: built.append(args) or f(*args))
+  monkeypatch.setattr(train_loop.token_table, 'eval_batches',
+                      lambda *args, f=train_loop.token_table.eval_batches: built.append(args) or f(*args))
   result = train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
   with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:

@@ -34,11 +34,11 @@ def ct2_translate(translator, processor, sources, beam_size, alpha, extra, max_l
 def main(argv):
   del argv
   import ctranslate2
-  from flax_transformer import evaluation, export, input_pipeline
+  from flax_transformer import evaluation, export, parallel_text
   from flax_transformer.translator import Translator
   f = flags.FLAGS
-  sources = input_pipeline.read_lines(f.source)[:f.lines]
-  references = input_pipeline.read_lines(f.reference)[:f.lines]
+  sources = parallel_text.read_lines(f.source)[:f.lines]
+  references = parallel_text.read_lines(f.reference)[:f.lines]
   ours = Translator.from_workdir(f.workdir, average_last=f.average_last)
   extra, max_len = ours.max_extra_length, ours.model_config.max_len
   rows = []

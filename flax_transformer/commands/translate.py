@@ -53,7 +53,7 @@ STREAM_LINES = 256  # the most stdin lines translated together
 
 def check_flags(f) -> None:
   """Every flag that can be wrong without the model: before anything is loaded or compiled."""
-  from flax_transformer import input_pipeline, storage
+  from flax_transformer import parallel_text, storage
   from flax_transformer.errors import UserError
   if f.beam_size is not None and f.beam_size < 1:
     raise UserError(f'--beam_size={f.beam_size} must be at least 1 (1 = greedy search)')
@@ -72,7 +72,7 @@ def check_flags(f) -> None:
   for name in ('input', 'reference'):
     path = getattr(f, name)
     if path and path != '-' and not storage.path(path).exists():
-      raise input_pipeline.DataError(f'--{name} file {path} does not exist; check the --{name} path')
+      raise parallel_text.DataError(f'--{name} file {path} does not exist; check the --{name} path')
   if f.output != '-':
     storage.check_writable(storage.path(f.output).parent, 'the folder of --output', 'choose another --output')
 
@@ -80,7 +80,7 @@ def check_flags(f) -> None:
 def stdin_chunks(wait: float):
   """Lists of stdin lines as they arrive: a chunk closes after `wait` seconds without a new line (or at
   STREAM_LINES lines). A reader thread blocks on stdin so the translation of one chunk overlaps the next."""
-  from flax_transformer import input_pipeline
+  from flax_transformer import parallel_text
   lines = queue.Queue()
 
   def read():
@@ -103,7 +103,7 @@ def stdin_chunks(wait: float):
       chunk.pop()
       ended = True
     if chunk:
-      yield [input_pipeline.decode_line(line.rstrip(b'\n').rstrip(b'\r'), 'standard input', number + i + 1)
+      yield [parallel_text.decode_line(line.rstrip(b'\n').rstrip(b'\r'), 'standard input', number + i + 1)
              for i, line in enumerate(chunk)]
       number += len(chunk)
 
@@ -144,14 +144,14 @@ def run(f) -> None:
   from flax_transformer import platforms
   platforms.import_tensorflow_quietly()
   import jax
-  from flax_transformer import checkpointing, evaluation, input_pipeline, storage
+  from flax_transformer import checkpointing, evaluation, parallel_text, storage
   from flax_transformer.translator import Translator
 
   check_flags(f)
-  references = input_pipeline.read_lines(f.reference) if f.reference else None
-  sources = None if f.input == '-' else input_pipeline.read_lines(f.input)
+  references = parallel_text.read_lines(f.reference) if f.reference else None
+  sources = None if f.input == '-' else parallel_text.read_lines(f.input)
   if sources is not None and references is not None and len(references) != len(sources):
-    raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
+    raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
   settings = {'batch_tokens': f.batch_tokens} if f.batch_tokens else {}
   translator = Translator.from_workdir(f.workdir, f.step, f.average_last, f.checkpoint_dir, **settings)
@@ -167,7 +167,7 @@ def run(f) -> None:
     targets = None
     if f.score:
       if done + len(chunk) > len(references):
-        raise input_pipeline.DataError(f'standard input has more lines than the {len(references)} of '
+        raise parallel_text.DataError(f'standard input has more lines than the {len(references)} of '
                                        f'{f.reference}; give the reference of this input')
       targets = references[done:done + len(chunk)]
     lines, best = output_lines(translator, f, chunk, targets, progress, done)
@@ -185,7 +185,7 @@ def run(f) -> None:
     storage.write_atomic(f.output, gzip.compress(data) if f.output.endswith('.gz') else data)
   if references is not None and not f.score:
     if len(references) != len(translations):
-      raise input_pipeline.DataError(f'{f.reference} has {len(references)} lines but the input had '
+      raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input had '
                                      f'{len(translations)}; give the reference of this input')
     config = checkpointing.read_config(f.workdir)
     tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')

@@ -1,0 +1,169 @@
+"""The pipeline's first stage: parallel text from files or tfds, as (source, target) pairs.
+
+Two sources behind one interface: a tfds dataset (`config.dataset='wmt14_translate/de-en'`) or plain/.gz
+text files, one sentence a line (`config.dataset='files'`). Each process reads only its shard: files are
+streamed line by line and other shards' lines skipped as read; tfds reads `tfds.even_splits(split, n)[i]`.
+Bad input (a missing or damaged file, files of different lengths, a line that is not UTF-8, an unprepared
+tfds dataset) is a one-line `DataError` naming the fix.
+"""
+
+import gzip
+import itertools
+import os
+import zlib
+
+import tensorflow as tf
+
+from flax_transformer import storage
+from flax_transformer.errors import UserError
+
+
+class DataError(UserError):
+  """Input data that cannot be used; the message says what and how to fix it."""
+
+
+# --- Sources -------------------------------------------------------------------------------
+
+def read_lines(path: str) -> list[str]:
+  """Lines of a plain or gzipped UTF-8 file, without newlines."""
+  _check_file(path)
+  data = storage.path(path).read_bytes()
+  if path.endswith('.gz'):
+    try:
+      data = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as error:
+      raise _damaged_gzip(path, error) from None
+  return decode_lines(data, path)
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+  """UTF-8 bytes -> lines without newlines; a bad line is a one-line error naming `name` and its number."""
+  lines = data.split(b'\n')
+  if lines and lines[-1] == b'':
+    lines.pop()
+  return [decode_line(line.rstrip(b'\r'), name, number) for number, line in enumerate(lines, 1)]
+
+
+def decode_line(line: bytes, name: str, number: int) -> str:
+  """One line's bytes as text, or a one-line error naming `name` and the line's number."""
+  try:
+    return line.decode('utf-8')
+  except UnicodeDecodeError as error:
+    raise DataError(f'{name}: line {number} is not valid UTF-8 ({error.reason} at byte {error.start}); '
+                    f're-encode the file as UTF-8') from None
+
+
+def _damaged_gzip(path: str, error: BaseException) -> DataError:
+  reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+  return DataError(f'{path} is not a readable gzip file ({reason}); download or copy it again, or give it '
+                   f'without the .gz suffix if it is plain text')
+
+
+def _check_file(path: str) -> None:
+  if not path:
+    raise DataError('a data file path is empty; set the config.*_source / config.*_target paths')
+  if not storage.path(path).exists():
+    raise DataError(f'data file {path} does not exist; check the path (override with --config.<field>=PATH)')
+
+
+def _raw_lines(path: str):
+  """The lines of a plain or gzipped file as bytes, without line ends, streamed (never the whole file)."""
+  with storage.path(path).open('rb') as raw:
+    stream = gzip.GzipFile(fileobj=raw) if path.endswith('.gz') else raw
+    try:
+      for line in stream:
+        yield line.rstrip(b'\n').rstrip(b'\r')
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+      raise _damaged_gzip(path, error) from None
+
+
+def _utf8(line: bytes, path: str, number: int) -> bytes:
+  decode_line(line, path, number)
+  return line
+
+
+def parallel_lines(source_path: str, target_path: str, shard: tuple[int, int] = (0, 1)):
+  """(source, target) UTF-8 bytes of every count-th line pair from the index-th (shard = (index, count)),
+  read line by line from both files at once; the lines of other shards are skipped as they are read."""
+  index, count = shard
+  for path in (source_path, target_path):
+    _check_file(path)
+  sources, targets, number = _raw_lines(source_path), _raw_lines(target_path), 0
+  for number, (source, target) in enumerate(itertools.zip_longest(sources, targets), 1):
+    if source is None or target is None:  # one file ended first: count the other's lines for the message
+      longer = sum(1 for _ in (targets if source is None else sources)) + number
+      lengths = (number - 1, longer) if source is None else (longer, number - 1)
+      raise DataError(f'{source_path} has {lengths[0]} lines but {target_path} has {lengths[1]}; '
+                      f'parallel files must have one sentence per line, line for line')
+    if (number - 1) % count == index:
+      yield _utf8(source, source_path, number), _utf8(target, target_path, number)
+  if number == 0:
+    raise DataError(f'{source_path} is empty; a corpus needs at least one sentence pair')
+
+
+def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
+  """Both files whole, as lists of lines (for inspection and small files; training streams them)."""
+  pairs = [(s.decode('utf-8'), t.decode('utf-8')) for s, t in parallel_lines(source_path, target_path)]
+  return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _split_paths(config, split: str) -> tuple[str, str]:
+  """The split's (source, target) files; a missing one is a one-line error naming its config field."""
+  paths = {f'{split}_{side}': config[f'{split}_{side}'] for side in ('source', 'target')}
+  for field, path in paths.items():
+    if path and not storage.path(path).exists():
+      raise DataError(f'config.{field}={path} does not exist; set the path (--config.{field}=PATH); for '
+                      f'Multi30k, python tools/get_multi30k.py --dir=DIR downloads it, then '
+                      f'--config=configs/multi30k.py:DIR')
+  return tuple(paths.values())
+
+
+def _tfds_builder(config):
+  import tensorflow_datasets as tfds
+  data_dir = config.data_dir or os.environ.get('TFDS_DATA_DIR') or None
+  try:
+    builder = tfds.builder(config.dataset, data_dir=data_dir)
+  except Exception as error:  # tfds raises several types for unknown names / configs
+    raise DataError(f'config.dataset={config.dataset!r} is not a tfds dataset ({type(error).__name__}); '
+                    f"use e.g. 'wmt14_translate/de-en' or 'files'") from None
+  return builder
+
+
+def _not_prepared(config, builder) -> DataError:
+  return DataError(f'tfds dataset {config.dataset} is not prepared in {builder.data_dir} and this run will not '
+                   f'download it; on a machine with internet run `tfds build {config.dataset} '
+                   f'--data_dir=DIR`, then set TFDS_DATA_DIR=DIR or --config.data_dir=DIR')
+
+
+def _tfds_split(config, split: str) -> str:
+  return {'train': config.train_split, 'eval': config.eval_split, 'test': config.test_split}[split]
+
+
+def text_pairs(config, split: str, shard: tuple[int, int] = (0, 1)):
+  """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file order.
+
+  shard = (index, count): this process's 1/count of the split, disjoint from the other shards and together
+  covering it. Text files: every count-th line pair from the index-th, streamed (other lines skipped as they
+  are read). tfds: the index-th of `count` even sub-splits (tfds.even_splits), the only examples decoded.
+  """
+  if config.dataset == 'files':
+    yield from parallel_lines(*_split_paths(config, split), shard)
+    return
+  import tensorflow_datasets as tfds
+  builder = _tfds_builder(config)
+  index, count = shard
+  name = _tfds_split(config, split)
+  try:
+    dataset = builder.as_dataset(split=tfds.even_splits(name, n=count)[index] if count > 1 else name,
+                                 shuffle_files=False)
+  except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
+    raise _not_prepared(config, builder) from None
+  source_lang, target_lang = config.source_lang, config.target_lang
+  for example in dataset.map(lambda ex: (ex[source_lang], ex[target_lang])).as_numpy_iterator():
+    yield example
+
+
+def python_pairs(config, split: str = 'train'):
+  """Iterator of (source, target) Python strings, e.g. to train the vocabulary."""
+  for source, target in text_pairs(config, split):
+    yield source.decode('utf-8'), target.decode('utf-8')

@@ -1,0 +1,64 @@
+"""parallel_text.py: text pairs from files (plain, gzip, by path) and tfds, and their one-line errors."""
+
+import gzip
+import os
+
+import pytest
+
+from configs import multi30k
+from flax_transformer import parallel_text
+
+
+def test_multi30k_files_by_path(tmp_path):
+  config = multi30k.get_config()
+  if not os.path.exists(config.train_source):
+    pytest.skip('../shared/data/multi30k is not beside this checkout')
+  pairs = parallel_text.python_pairs(config, 'test')
+  first = next(pairs)
+  assert first[0].startswith('A man') and first[1]
+  assert len(parallel_text.read_lines(config.eval_source)) == 1014
+
+
+@pytest.mark.parametrize('case,message', [
+    ('missing', 'does not exist'),
+    ('counts', 'has 3 lines but'),
+    ('empty', 'is empty'),
+    ('utf8', 'line 2 is not valid UTF-8'),
+])
+def test_bad_files_are_one_line_errors(tmp_path, case, message):
+  good = tmp_path / 'good.txt'
+  good.write_text('a\nb\nc\n')
+  other = tmp_path / 'other.txt'
+  if case == 'missing':
+    other = tmp_path / 'nope.txt'
+  elif case == 'counts':
+    other.write_text('a\nb\n')
+  elif case == 'empty':
+    good.write_text('')
+    other.write_text('')
+  else:
+    other.write_bytes(b'ok\n\xff\xfe bad\nc\n')
+  with pytest.raises(parallel_text.DataError) as error:
+    parallel_text.read_parallel_files(str(good), str(other))
+  assert message in str(error.value) and '\n' not in str(error.value)
+
+
+def test_tfds_errors_say_how_to_fix(tiny_config, tmp_path):
+  tiny_config.dataset = 'no_such_dataset_xyz'
+  with pytest.raises(parallel_text.DataError, match='is not a tfds dataset'):
+    next(parallel_text.python_pairs(tiny_config))
+  tiny_config.dataset = 'wmt14_translate/de-en'
+  tiny_config.data_dir = str(tmp_path)
+  with pytest.raises(parallel_text.DataError, match='tfds build wmt14_translate/de-en'):
+    next(parallel_text.python_pairs(tiny_config))
+
+
+def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):
+  good = gzip.compress(b'one\ntwo\nthree\n')
+  (tmp_path / 'cut.gz').write_bytes(good[:-6])  # truncated: EOFError inside gzip
+  (tmp_path / 'plain.gz').write_bytes(b'one\ntwo\n')  # not gzip at all: BadGzipFile
+  for name in ('cut.gz', 'plain.gz'):
+    path = str(tmp_path / name)
+    for read in (lambda: parallel_text.read_lines(path), lambda: list(parallel_text.parallel_lines(path, path))):
+      with pytest.raises(parallel_text.DataError, match=f'{name} is not a readable gzip file .*download or copy it again'):
+        read()
