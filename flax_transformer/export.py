@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 from flax_transformer import storage
+from flax_transformer.layers import MultiHeadAttention
 from flax_transformer.errors import UserError, WorkdirError
 
 POSITION_ROWS = 1024  # the shortest position table exported
@@ -43,13 +44,12 @@ def _layer_norm(spec, norm, i):
 def _attention(spec, params, i, self_attention: bool, d_model: int):
   """Our [e, (3|2), h, d] kernels -> CTranslate2's fused [(3|2)·e, e] linear layers (q, k, v stacked)."""
   if self_attention:
-    kernel, bias = params['qkv_kernel'][i], np.array(params['qkv_bias'][i])  # [e, 3, h, d], [3, h, d]
-    bias[1] = 0.0  # the key bias is held at zero in the model (layers.MultiHeadAttention)
+    kernel = params['qkv_kernel'][i]  # [e, 3, h, d]
+    bias = MultiHeadAttention._without_key_bias(np.asarray(params['qkv_bias'][i]), 'qkv')  # [3, h, d], as the model
     _linear(spec.linear[0], np.reshape(kernel, (d_model, 3 * d_model)), bias.reshape(-1))
   else:
     _linear(spec.linear[0], np.reshape(params['q_kernel'][i], (d_model, d_model)), params['q_bias'][i].reshape(-1))
-    bias = np.array(params['kv_bias'][i])  # [2, h, d]
-    bias[0] = 0.0
+    bias = MultiHeadAttention._without_key_bias(np.asarray(params['kv_bias'][i]), 'kv')  # [2, h, d]
     _linear(spec.linear[1], np.reshape(params['kv_kernel'][i], (d_model, 2 * d_model)), bias.reshape(-1))
   _linear(spec.linear[-1], np.reshape(params['out_kernel'][i], (d_model, d_model)), params['out_bias'][i])
 
@@ -132,9 +132,10 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
     raise WorkdirError(f'{output} exists and is not empty; choose a new --output or pass --overwrite to replace it')
   from flax_transformer.translator import Translator
   translator = Translator.from_workdir(workdir, step, average_last)
-  params = {name: np.asarray(value) for name, value in _flat(translator.params)}
+  import jax
+  params = jax.device_get(translator.params)  # nested dicts of numpy arrays
   pieces = [translator.processor.id_to_piece(i) for i in range(translator.processor.get_piece_size())]
-  spec = model_spec(_unflat(params), translator.model_config, pieces)
+  spec = model_spec(params, translator.model_config, pieces)
   spec.validate()
   spec.optimize(quantization=None if quantization == 'float32' else quantization)
   staging = f'{os.path.dirname(output)}/.{os.path.basename(output)}.partial.{os.getpid()}'
@@ -150,22 +151,6 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
     shutil.rmtree(staging, ignore_errors=True)
     raise
   return list(translator.checkpoints)
-
-
-def _flat(tree, prefix=()):
-  import jax
-  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
-    yield tuple(k.key for k in path), leaf
-
-
-def _unflat(items: dict) -> dict:
-  tree = {}
-  for path, leaf in items.items():
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = leaf
-  return tree
 
 
 def main(argv):

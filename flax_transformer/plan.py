@@ -20,12 +20,11 @@ import sys
 def _take_devices_flag(argv: list[str]) -> int:
   """--devices must be known before JAX starts: it sets the number of fake CPU devices (a bad value is
   left to main's check; JAX then starts with 1)."""
-  for i, arg in enumerate(argv):
-    value = arg.split('=', 1)[1] if arg.startswith('--devices=') else (
-        argv[i + 1] if arg == '--devices' and i + 1 < len(argv) else None)
-    if value is not None:
-      return int(value) if value.strip().isdigit() and int(value) > 0 else 1
-  return 8
+  from flax_transformer.commands import argv_value
+  value = argv_value(argv, 'devices')
+  if value is None:
+    return 8
+  return int(value) if value.strip().isdigit() and int(value) > 0 else 1
 
 
 def _start_cpu_devices(argv: list[str]) -> None:

@@ -131,11 +131,12 @@ class Translator:
     batch_tokens: source tokens per decoding batch.
     top_k: the beam's top-k method ('auto', 'two_stage' or 'lax'; see decode.top_k).
     checkpoints: the checkpoint steps the parameters come from (reported only).
+    run_config: the run's ConfigDict when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
   def __init__(self, params, model_config: TransformerConfig, processor, *, beam_size: int = 4,
                alpha: float = 0.6, max_extra_length: int = 50, batch_tokens: int = 4096, top_k: str = 'auto',
-               checkpoints: tuple[int, ...] = ()):
+               checkpoints: tuple[int, ...] = (), run_config=None):
     _check_beam(beam_size, alpha)
     if batch_tokens < 1:
       raise UserError(f'batch_tokens={batch_tokens} must be at least 1; give the source tokens per batch')
@@ -144,7 +145,7 @@ class Translator:
     self.model = Transformer(model_config)
     self.beam_size, self.alpha, self.max_extra_length = beam_size, alpha, max_extra_length
     self.batch_tokens, self.top_k_method = batch_tokens, platforms.top_k(top_k)
-    self.checkpoints = tuple(checkpoints)
+    self.checkpoints, self.run_config = tuple(checkpoints), run_config
 
   @classmethod
   def from_workdir(cls, workdir: str, step: int | None = None, average_last: int | None = None,
@@ -174,7 +175,8 @@ class Translator:
     defaults = {'beam_size': config.beam_size, 'alpha': config.length_penalty_alpha,
                 'max_extra_length': config.max_extra_length, 'batch_tokens': config.eval_tokens_per_batch,
                 'top_k': config.get('beam_top_k', 'auto')}
-    return cls(params, model_config, processor, checkpoints=tuple(chosen), **{**defaults, **settings})
+    return cls(params, model_config, processor, checkpoints=tuple(chosen), run_config=config,
+               **{**defaults, **settings})
 
   # --- Text in, text out --------------------------------------------------------------
 

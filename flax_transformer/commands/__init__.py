@@ -5,6 +5,16 @@ import sys
 from flax_transformer.errors import ConfigError
 
 
+def argv_value(argv: list[str], name: str) -> str | None:
+  """The value of --name=VALUE or --name VALUE in `argv`, for the flags needed before absl parses them."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(f'--{name}='):
+      return arg.split('=', 1)[1]
+    if arg == f'--{name}' and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
 def config_flag(flag_values, name: str = 'config'):
   """The ConfigDict of a `config_flags` flag, or a one-line error when its file cannot be loaded."""
   value = getattr(flag_values, name)
@@ -12,7 +22,7 @@ def config_flag(flag_values, name: str = 'config'):
     value.get('model')
     return value
   except (OSError, SyntaxError, AttributeError, ImportError) as error:
-    given = next((arg.split('=', 1)[1] for arg in sys.argv if arg.startswith(f'--{name}=')), None)
+    given = argv_value(sys.argv, name)
     cause = getattr(value, '_error', error)
     reason = next((line.strip() for line in str(cause).splitlines() if line.strip().startswith('[Errno')),
                   str(cause).splitlines()[0] if str(cause) else type(cause).__name__)
@@ -25,10 +35,8 @@ def importable_configs(argv: list[str], name: str = 'config') -> None:
   command, whose sys.path holds neither the working directory nor the repository: the folder above the
   config file's folder goes on sys.path, as `python train.py` from the repository puts the repository."""
   import os
-  for i, arg in enumerate(argv):
-    value = arg.split('=', 1)[1] if arg.startswith(f'--{name}=') else (
-        argv[i + 1] if arg == f'--{name}' and i + 1 < len(argv) else None)
-    if value:
-      root = os.path.dirname(os.path.dirname(os.path.abspath(value.split(':', 1)[0])))
-      if root not in sys.path:
-        sys.path.insert(0, root)
+  value = argv_value(argv, name)
+  if value:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(value.split(':', 1)[0])))
+    if root not in sys.path:
+      sys.path.insert(0, root)

@@ -144,7 +144,7 @@ def run(f) -> None:
   from flax_transformer import platforms
   platforms.import_tensorflow_quietly()
   import jax
-  from flax_transformer import checkpointing, evaluation, parallel_text, storage
+  from flax_transformer import evaluation, parallel_text, storage
   from flax_transformer.translator import Translator
 
   check_flags(f)
@@ -187,7 +187,7 @@ def run(f) -> None:
     if len(references) != len(translations):
       raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input had '
                                      f'{len(translations)}; give the reference of this input')
-    config = checkpointing.read_config(f.workdir)
+    config = translator.run_config
     tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')
     score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
