@@ -83,7 +83,8 @@ def test_ctranslate2_greedy_gives_our_tokens(workdir, tmp_path):
     gaps.append(max(log_probs[t].max() - log_probs[t, ids[t]] for t in range(len(ids) - 1)))
   print(f'{len(sources) - len(differ)} of {len(sources)} identical; the others within {max(gaps, default=0):.2e} '
         f'of our best token at every step')
-  assert len(differ) <= len(sources) // 20 and max(gaps, default=0) < 1e-3, (differ, gaps)
+  # How many near-ties a decode meets depends on the CPU's float rounding: the count is printed, not bounded.
+  assert max(gaps, default=0) < 1e-3, (differ, gaps)
 
 
 @pytest.mark.slow
