@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from flax_transformer import storage
-from flax_transformer.layers import MultiHeadAttention
+from flax_transformer.layers import without_key_bias
 from flax_transformer.errors import UserError, WorkdirError
 
 POSITION_ROWS = 1024  # the shortest position table exported
@@ -45,11 +45,11 @@ def _attention(spec, params, i, self_attention: bool, d_model: int):
   """Our [e, (3|2), h, d] kernels -> CTranslate2's fused [(3|2)·e, e] linear layers (q, k, v stacked)."""
   if self_attention:
     kernel = params['qkv_kernel'][i]  # [e, 3, h, d]
-    bias = MultiHeadAttention._without_key_bias(np.asarray(params['qkv_bias'][i]), 'qkv')  # [3, h, d], as the model
+    bias = without_key_bias(np.asarray(params['qkv_bias'][i]), 'qkv')  # [3, h, d], as the model
     _linear(spec.linear[0], np.reshape(kernel, (d_model, 3 * d_model)), bias.reshape(-1))
   else:
     _linear(spec.linear[0], np.reshape(params['q_kernel'][i], (d_model, d_model)), params['q_bias'][i].reshape(-1))
-    bias = MultiHeadAttention._without_key_bias(np.asarray(params['kv_bias'][i]), 'kv')  # [2, h, d]
+    bias = without_key_bias(np.asarray(params['kv_bias'][i]), 'kv')  # [2, h, d]
     _linear(spec.linear[1], np.reshape(params['kv_kernel'][i], (d_model, 2 * d_model)), bias.reshape(-1))
   _linear(spec.linear[-1], np.reshape(params['out_kernel'][i], (d_model, d_model)), params['out_bias'][i])
 

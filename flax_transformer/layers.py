@@ -184,23 +184,37 @@ class Dropout(nn.Module):
     return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
 
 
-def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_method='hash'):
-  """§3.2.1: softmax(QKᵀ/√d + bias) V, written out: the reference for `library_attention`, and the path that
-  returns the weights (attention pictures) and applies attention dropout (which the library does not).
+# The attention core's two products (logits, weighted sum) in each layout it runs in; letters as above.
+FULL_SEQUENCE = ('bqhd,bkhd->bhqk', 'bhqk,bkhd->bqhd')  # query [b, q, h, d]; key, value [b, k, h, d]
+# Decoding, one query per hypothesis, against the cache's layout (keys [b, h, d, k], values [b, h, k, d]), so
+# each step's products are plain matrix-vector products and nothing is transposed per step.
+CACHED_SELF = ('bhd,bhdk->bhk', 'bhk,bhkd->bhd')  # query [b·n, h, d]
+# The n hypotheses of a sentence act as its queries over the encoder's keys, shared rather than copied; the
+# sum is written [b, h, n, d] (batch axes first): XLA:CPU's batched product is far slower writing [b, n, h, d].
+CACHED_CROSS = ('bnhd,bhds->bhns', 'bhns,bhsd->bhnd')  # query [b, n, h, d]
+
+
+def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_method='hash',
+                                 layout=FULL_SEQUENCE):
+  """§3.2.1: softmax(QKᵀ/√d + bias) V, written out once for training, scoring and both decoding caches: the
+  reference for `library_attention`, and the path that returns the weights (attention pictures, alignments)
+  and applies attention dropout (which the library does not).
 
   Logits accumulate in float32 whatever the inputs' dtype; softmax runs in float32.
   Args:
-    query: [b, q, h, d]; key, value: [b, k, h, d]; bias: broadcastable to [b, h, q, k].
+    query, key, value: as `layout` names them (FULL_SEQUENCE: [b, q, h, d], [b, k, h, d], [b, k, h, d]);
+    bias: broadcastable to the logits (FULL_SEQUENCE: [b, h, q, k]).
   Returns:
-    (context [b, q, h, d], weights [b, h, q, k] float32).
+    (context, weights float32), shaped as `layout`'s two outputs.
   """
+  logits_spec, context_spec = layout
   scale = 1.0 / np.sqrt(query.shape[-1])
-  logits = float32_accumulating_einsum('bqhd,bkhd->bhqk', query, key, query.dtype) * scale  # [b, h, q, k]
+  logits = float32_accumulating_einsum(logits_spec, query, key, query.dtype) * scale  # [b, h, q, k]
   weights = jax.nn.softmax(logits + bias, axis=-1)  # [b, h, q, k]
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = dropout_keep_mask(dropout_rng, dropout_rate, weights.shape, dropout_method)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  context = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(value.dtype), value)  # [b, q, h, d]
+  context = jnp.einsum(context_spec, weights.astype(value.dtype), value)  # [b, q, h, d]
   return context, weights
 
 
@@ -218,156 +232,93 @@ def library_attention(query, key, value, lengths, causal: bool, implementation: 
                                       implementation=implementation)
 
 
-class MultiHeadAttention(nn.Module):
-  """§3.2.2 Multi-Head Attention, self- or encoder-decoder, with an optional KV cache for decoding.
+def without_key_bias(bias, parts: str):
+  """bias [len(parts), h, d] of the stacked projections named by `parts` ('qkv' or 'kv'), the key's part held
+  at zero: a key bias adds the same q·b to every logit of a query, which softmax cancels; its gradient is
+  pure round-off, which Adam would inflate into full-size random steps."""
+  keep = np.array([part != 'k' for part in parts], np.float32)
+  return bias * keep[:, None, None]
 
-  Self-attention projects Q, K, V with one fused [e, 3, h, d] kernel. For decoding (`init_cache`,
-  `decode_step`, explicit cache dicts passed in and out) the self-attention keeps keys/values of the
-  steps so far, and the encoder-decoder attention keeps the encoder's projected keys/values, computed
-  once per sentence and shared (not copied) by all beams of that sentence.
-  """
+
+class MultiHeadAttention(nn.Module):
+  """§3.2.2 Multi-Head Attention, self- ([e, 3, h, d] qkv kernel) or encoder-decoder (q [e, h, d], kv [e, 2, h, d]),
+  with a decoding cache: the keys/values of the steps so far, or the encoder's, projected once per sentence."""
   num_heads: int
   d_model: int
   self_attention: bool
   attention_dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
-  dropout_method: str = 'hash'  # See dropout_keep_mask.
-  implementation: str = 'xla'  # One of platforms.ATTENTION: jax.nn.dot_product_attention's, or 'explicit'.
+  dropout_masks: str = 'hash'  # See dropout_keep_mask.
+  attention: str = 'xla'  # One of platforms.ATTENTION: jax.nn.dot_product_attention's, or 'explicit'.
 
   def setup(self):
-    head_dim = self.d_model // self.num_heads
-    h = self.num_heads
-    if self.self_attention:
-      self.qkv_kernel = self.param('qkv_kernel', nn.with_logical_partitioning(
-          projection_init((1,)), ('embed', 'qkv', 'heads', 'kv')), (self.d_model, 3, h, head_dim), jnp.float32)
-      self.qkv_bias = self.param('qkv_bias', nn.with_logical_partitioning(zeros, ('qkv', 'heads', 'kv')),
-                                 (3, h, head_dim), jnp.float32)
-    else:
-      self.q_kernel = self.param('q_kernel', nn.with_logical_partitioning(
-          projection_init(), ('embed', 'heads', 'kv')), (self.d_model, h, head_dim), jnp.float32)
-      self.q_bias = self.param('q_bias', nn.with_logical_partitioning(zeros, ('heads', 'kv')),
-                               (h, head_dim), jnp.float32)
-      self.kv_kernel = self.param('kv_kernel', nn.with_logical_partitioning(
-          projection_init((1,)), ('embed', 'qkv', 'heads', 'kv')), (self.d_model, 2, h, head_dim), jnp.float32)
-      self.kv_bias = self.param('kv_bias', nn.with_logical_partitioning(zeros, ('qkv', 'heads', 'kv')),
-                                (2, h, head_dim), jnp.float32)
-    self.out_kernel = self.param('out_kernel', nn.with_logical_partitioning(
-        nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=(0, 1), out_axis=2),
-        ('heads', 'kv', 'embed')), (h, head_dim, self.d_model), jnp.float32)
-    self.out_bias = self.param('out_bias', nn.with_logical_partitioning(zeros, ('embed',)),
-                               (self.d_model,), jnp.float32)
+    h, d, e = self.num_heads, self.d_model // self.num_heads, self.d_model
+    def param(name, shape, axes, init):
+      return self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+    def projection(parts):  # kernel [e, (len(parts),) h, d], bias [(len(parts),) h, d]; one part is not stacked
+      stack, axes = ((len(parts),), ('qkv',)) if len(parts) > 1 else ((), ())
+      return (param(f'{parts}_kernel', (e, *stack, h, d), ('embed', *axes, 'heads', 'kv'), projection_init(stack and (1,))),
+              param(f'{parts}_bias', (*stack, h, d), (*axes, 'heads', 'kv'), zeros))
+    self.projections = {parts: projection(parts) for parts in (['qkv'] if self.self_attention else ['q', 'kv'])}
+    self.out_kernel = param('out_kernel', (h, d, e), ('heads', 'kv', 'embed'),
+                            nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=(0, 1), out_axis=2))
+    self.out_bias = param('out_bias', (e,), ('embed',), zeros)
 
-  def _project(self, x, kernel, bias, spec):
-    """x [b, l, e] · kernel [e, ..., h, d] -> [b, l, ..., h, d]."""
-    return jnp.einsum(spec, x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+  def _project(self, x, parts: str):
+    """x [..., e] -> the projections named by `parts`, each [..., h, d] (a tuple when more than one)."""
+    kernel, bias = self.projections[parts]
+    if len(parts) == 1:
+      return jnp.einsum('...e,ehd->...hd', x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+    bias = without_key_bias(bias, parts)
+    stacked = jnp.einsum('...e,ejhd->...jhd', x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+    return tuple(stacked[..., j, :, :] for j in range(len(parts)))  # each [..., h, d]
 
-  @staticmethod
-  def _without_key_bias(bias, parts: str):
-    """bias [len(parts), h, d] of the stacked projections named by `parts` ('qkv' or 'kv'), the key's
-    part held at zero: a key bias adds the same q·b to every logit of a query, which softmax cancels; its
-    gradient is pure round-off, which Adam would inflate into full-size random steps."""
-    keep = np.array([part != 'k' for part in parts], np.float32)
-    return bias * keep[:, None, None]
-
-  def project_memory(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Encoder output [b, k, e] -> (keys, values), each [b, k, h, d]."""
-    kv = self._project(memory, self.kv_kernel, self._without_key_bias(self.kv_bias, 'kv'), 'bke,ejhd->bkjhd')  # [b, k, 2, h, d]
-    return kv[:, :, 0], kv[:, :, 1]
-
-  def _output(self, context):
-    """context [b, q, h, d] -> [b, q, e]."""
-    return jnp.einsum('bqhd,hde->bqe', context, self.out_kernel.astype(self.dtype)) + self.out_bias.astype(self.dtype)
-
-  def _attend(self, query, key, value, lengths, causal, deterministic):
-    """query [b, q, h, d], key/value [b, k, h, d], lengths [b] or None -> [b, q, e].
-
-    The library computes it unless the written-out form is needed: attention dropout (not in the paper;
-    the library has none) or attention weights asked for with mutable=['intermediates'] (pictures).
-    """
-    rate = 0.0 if deterministic else self.attention_dropout_rate
-    if self.implementation != 'explicit' and rate == 0.0 and not self.is_mutable_collection('intermediates'):
-      return self._output(library_attention(query, key, value, lengths, causal, self.implementation))
-    rng = self.make_rng('dropout') if rate > 0.0 else None
-    bias = attention_bias(query.shape[1], key.shape[1], lengths, causal)  # [b or 1, 1, q, k]
-    context, weights = scaled_dot_product_attention(query, key, value, bias, rate, rng, self.dropout_method)
-    self.sow('intermediates', 'attention_weights', weights)
-    return self._output(context)
+  def _output(self, context):  # [..., h, d] -> [..., e]
+    return jnp.einsum('...hd,hde->...e', context, self.out_kernel.astype(self.dtype)) + self.out_bias.astype(self.dtype)
 
   def __call__(self, x, lengths, memory=None, causal=False, deterministic=True):
-    """Full-sequence attention (training, scoring, encoding).
-
-    Args:
-      x: queries [b, q, e]; lengths: [b] int32 real keys per row (`key_lengths`), None for all;
-      memory: encoder output [b, k, e] for encoder-decoder attention, None for self-attention;
-      causal: hide future positions (decoder self-attention).
-    Returns:
-      [b, q, e].
-    """
-    if self.self_attention:
-      qkv = self._project(x, self.qkv_kernel, self._without_key_bias(self.qkv_bias, 'qkv'), 'bqe,ejhd->bqjhd')  # [b, q, 3, h, d]
-      query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [b, q, h, d]
-    else:
-      query = self._project(x, self.q_kernel, self.q_bias, 'bqe,ehd->bqhd')  # [b, q, h, d]
-      key, value = self.project_memory(memory)  # [b, k, h, d]
+    """x [b, q, e], lengths [b] real keys per row (`key_lengths`; None: all), memory [b, k, e] (encoder-decoder)
+    -> [b, q, e]. Through the library unless attention dropout (the library has none) or the weights
+    (mutable=['intermediates']: pictures, alignments) need the written-out core."""
+    query, key, value = (self._project(x, 'qkv') if self.self_attention
+                         else (self._project(x, 'q'), *self._project(memory, 'kv')))  # [b, q|k, h, d]
     query = nn.with_logical_constraint(query, ('batch', 'length', 'heads', 'kv'))
-    return self._attend(query, key, value, lengths, causal, deterministic)
-
-  # --- Incremental decoding -------------------------------------------------------------
+    rate = 0.0 if deterministic else self.attention_dropout_rate
+    if self.attention != 'explicit' and rate == 0.0 and not self.is_mutable_collection('intermediates'):
+      return self._output(library_attention(query, key, value, lengths, causal, self.attention))
+    bias = attention_bias(query.shape[1], key.shape[1], lengths, causal)  # [b or 1, 1, q, k]
+    rng = self.make_rng('dropout') if rate > 0.0 else None
+    context, weights = scaled_dot_product_attention(query, key, value, bias, rate, rng, self.dropout_masks)
+    self.sow('intermediates', 'attention_weights', weights)  # [b, h, q, k]
+    return self._output(context)
 
   def init_cache(self, batch_size: int, max_len: int, memory: jax.Array | None = None) -> dict:
-    """This sub-layer's decoding cache (layout: `model.Transformer.init_cache`).
-
-    Self-attention: zero buffers for batch_size hypotheses, filled one position per step.
-    Encoder-decoder attention: the projected `memory` [b, s, e], once per sentence.
-    """
+    """The decoding cache (CACHED_SELF: zeros for batch_size hypotheses; CACHED_CROSS: memory [b, s, e] projected)."""
     h, d = self.num_heads, self.d_model // self.num_heads
     if self.self_attention:
       return {'key': jnp.zeros((batch_size, h, d, max_len), self.dtype),
               'value': jnp.zeros((batch_size, h, max_len, d), self.dtype)}
-    key, value = self.project_memory(memory)  # each [b, s, h, d]
+    key, value = self._project(memory, 'kv')  # each [b, s, h, d]
     return {'key': jnp.transpose(key, (0, 2, 3, 1)), 'value': jnp.transpose(value, (0, 2, 1, 3))}
 
   def decode_step(self, x, cache, step, memory_bias=None):
-    """One decoding step for every hypothesis.
-
-    Written out rather than through `jax.nn.dot_product_attention`: a step has one query per hypothesis,
-    where a fused kernel has no [q, k] tile to save, and the cache's layout (keys [.., d, k]) is chosen
-    so each step's products are plain matrix-vector products, a layout the library does not take.
-
-    Args:
-      x: [b·n, 1, e], the current token's input to this sub-layer (n hypotheses per sentence).
-      cache: this layer's cache (see `init_cache`).
-      step: int32 scalar, the position being decoded.
-      memory_bias: [b, 1, 1, s] source padding bias (encoder-decoder attention only).
-    Returns:
-      ([b·n, 1, e], the updated cache).
-    """
-    scale = 1.0 / np.sqrt(self.d_model // self.num_heads)  # §3.2.1, applied to float32 logits as in training
+    """x [b·n, 1, e] (n hypotheses a sentence) at position `step`, memory_bias [b, 1, 1, s] (encoder-decoder) ->
+    ([b·n, 1, e], cache). The written-out core: one query per hypothesis leaves a fused kernel no tile to save."""
     if self.self_attention:
-      qkv = self._project(x[:, 0], self.qkv_kernel, self._without_key_bias(self.qkv_bias, 'qkv'), 'be,ejhd->bjhd')  # [bn, 3, h, d]
-      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], qkv[:, 1, :, :, None], step, axis=3),
-               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], qkv[:, 2, :, None, :], step, axis=2)}
-      max_len = cache['value'].shape[2]
-      bias = jnp.where(jnp.arange(max_len) <= step, 0.0, ATTENTION_MASK_VALUE)  # [max_len]: positions not yet written
-      # Batched matrix-vector products in the cache's own layout: nothing is transposed per step.
-      logits = jnp.einsum('bhd,bhdk->bhk', qkv[:, 0], cache['key'], preferred_element_type=jnp.float32) * scale  # [bn, h, k]
-      weights = jax.nn.softmax(logits + bias, axis=-1)  # [bn, h, k]
+      query, key, value = self._project(x[:, 0], 'qkv')  # each [bn, h, d]
+      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], key[..., None], step, axis=3),
+               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], value[:, :, None], step, axis=2)}
+      bias = jnp.where(jnp.arange(cache['value'].shape[2]) <= step, 0.0, ATTENTION_MASK_VALUE)  # [k]: not yet written
+      context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], bias, layout=CACHED_SELF)
       self.sow('intermediates', 'attention_weights', weights[:, :, None, :])  # [bn, h, 1, k]
-      context = jnp.einsum('bhk,bhkd->bhd', weights.astype(self.dtype), cache['value'])  # [bn, h, d]
-      return self._output(context[:, None]), cache
-    # Encoder-decoder attention: the n hypotheses of a sentence share its keys/values.
-    key, value = cache['key'], cache['value']  # [b, h, d, s], [b, h, s, d]
-    batch = key.shape[0]
-    query = self._project(x[:, 0], self.q_kernel, self.q_bias, 'be,ehd->bhd')  # [bn, h, d]
-    query = query.reshape(batch, -1, *query.shape[1:])  # [b, n, h, d]: hypotheses act as queries
-    logits = jnp.einsum('bnhd,bhds->bhns', query, key, preferred_element_type=jnp.float32) * scale  # [b, h, n, s]
-    weights = jax.nn.softmax(logits + memory_bias, axis=-1)  # [b, h, n, s]
+      return self._output(context[:, None]), cache  # context [bn, h, d]
+    batch = cache['key'].shape[0]
+    query = self._project(x[:, 0], 'q').reshape(batch, -1, self.num_heads, self.d_model // self.num_heads)  # [b, n, h, d]
+    context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], memory_bias,
+                                                    layout=CACHED_CROSS)  # [b, h, n, d], [b, h, n, s]
     self.sow('intermediates', 'attention_weights',
              jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, s]
-    # Output [b, h, n, d] (batch axes first): XLA:CPU's batched product is far slower writing [b, n, h, d].
-    context = jnp.swapaxes(jnp.einsum('bhns,bhsd->bhnd', weights.astype(self.dtype), value), 1, 2)  # [b, n, h, d]
-    context = context.reshape(x.shape[0], 1, *context.shape[2:])  # [bn, 1, h, d]
-    return self._output(context), cache
+    return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, *query.shape[2:])), cache  # [bn, 1, e]
 
 
 class PositionwiseFeedForward(nn.Module):
