@@ -44,7 +44,7 @@ def peak_memory_gb(jax) -> float | None:
 def planned(name: str, dtype: str, tokens: int, peak_tflops: float) -> dict:
   """The capacity plan of the measured step (same config, batch and one device), compiled on the CPU."""
   command = [sys.executable, '-m', 'flax_transformer.plan', f'--config={CONFIGS[name]}', '--devices=1',
-             '--mesh=(1,1,1)', f'--config.model.dtype={dtype}', f'--config.max_length={SENTENCE_LENGTH}',
+             '--mesh=(1,1,1)', f'--config.model.dtype={dtype}', f'--config.max_train_length={SENTENCE_LENGTH}',
              f'--config.tokens_per_batch={tokens}', f'--peak_tflops={peak_tflops}', f'--mfu={PLANNED_MFU}']
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': ROOT})
@@ -60,7 +60,7 @@ def time_train_step(shape: dict, dtype: str, tokens: int, steps: int) -> tuple[f
   rng = np.random.default_rng(0)
   batch = {k: rng.integers(3, shape['vocab'], (tokens // SENTENCE_LENGTH, SENTENCE_LENGTH)).astype(np.int32)
            for k in ('inputs', 'targets')}
-  run, _ = build_ours(shape, batch, dtype, max_len=2 * SENTENCE_LENGTH)
+  run, _ = build_ours(shape, batch, dtype, max_positions=2 * SENTENCE_LENGTH)
   times = []
   for i in range(steps + 2):
     start = time.perf_counter()
@@ -79,7 +79,7 @@ def time_beam_search(jax, shape: dict, dtype: str, batch: int, source_length: in
   from flax_transformer.model import Transformer, TransformerConfig
   config = TransformerConfig(vocab_size=shape['vocab'], d_model=shape['d_model'], num_heads=shape['heads'],
                              d_ff=shape['d_ff'], num_encoder_layers=shape['layers'],
-                             num_decoder_layers=shape['layers'], max_len=256, dtype=dtype)
+                             num_decoder_layers=shape['layers'], max_positions=256, dtype=dtype)
   model = Transformer(config)
   inputs = np.random.default_rng(0).integers(3, shape['vocab'], (batch, source_length)).astype(np.int32)
   params = nn.meta.unbox(model.init(jax.random.key(0), inputs[:1], inputs[:1])['params'])

@@ -28,7 +28,7 @@ from flax_transformer.model import Transformer, TransformerConfig  # noqa: E402
 
 BATCH, SOURCE_LENGTH, OUTPUT_LENGTH = 64, 20, 40
 CONFIG = TransformerConfig(vocab_size=8192, d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
-                           num_decoder_layers=3, dropout_rate=0.1, max_len=128)
+                           num_decoder_layers=3, dropout_rate=0.1, max_positions=128)
 
 
 def no_eos(tokens_to_logits):

@@ -73,19 +73,19 @@ def config_for(source: str, paths: tuple[str, str]):
 
 
 def time_source(source: str, paths, shards: int, vocab_path: str) -> dict:
-  from flax_transformer import input_pipeline, token_table
+  from flax_transformer import input_pipeline, settings, token_table
   config = config_for(source, paths)
   cores = len(os.sched_getaffinity(0))
   builds, serves = [], []
   for _ in range(flags.FLAGS.repeats):
     start = time.perf_counter()
-    table = token_table.train_table(config, vocab_path, (0, shards))
+    table = token_table.train_table(settings.resolve(config).data, vocab_path, (0, shards))
     seconds = time.perf_counter() - start
     table_tokens = int(table.sources.lengths.sum() + table.targets.lengths.sum())
     builds.append(table_tokens / seconds / cores)
-    histogram = table.histogram(config.max_length) * shards  # the other shards: alike in distribution
-    plan = input_pipeline.train_plan(config, histogram, table.dropped * shards)
-    stream = input_pipeline.train_batches(table, plan, (0, shards), seed=0)
+    histogram = table.histogram(config.max_train_length) * shards  # the other shards: alike in distribution
+    batching = input_pipeline.train_batching(settings.resolve(config).data, histogram, table.dropped * shards)
+    stream = input_pipeline.train_batches(table, batching, (0, shards), seed=0)
     next(stream)
     start = time.perf_counter()
     batches = [next(stream) for _ in range(flags.FLAGS.batches)]
@@ -104,7 +104,7 @@ def _peak_rss_gib() -> float:
 
 def measure(what: str, paths, vocab_path: str) -> dict:
   """One --memory row, in this process: {'row', 'seconds', 'peak_rss_gib', ...}."""
-  from flax_transformer import parallel_text, token_table
+  from flax_transformer import parallel_text, settings, token_table
   config = config_for('files', paths)
   baseline = _peak_rss_gib()
   start = time.perf_counter()
@@ -113,7 +113,7 @@ def measure(what: str, paths, vocab_path: str) -> dict:
     result = {'row': 'both files whole as Python lists (no tokenising)', 'pairs': len(sources)}
   else:
     shards = int(what.split(':')[1])
-    table = token_table.train_table(config, vocab_path, (0, shards))
+    table = token_table.train_table(settings.resolve(config).data, vocab_path, (0, shards))
     table_bytes = sum(a.nbytes for side in (table.sources, table.targets) for a in (side.values, side.lengths))
     result = {'row': f'token table of shard 0 of {shards}', 'pairs': len(table), 'table_gib': table_bytes / 2 ** 30}
   return {**result, 'seconds': time.perf_counter() - start, 'peak_rss_gib': _peak_rss_gib(),
@@ -141,12 +141,12 @@ def memory_rows(paths, vocab_path: str) -> None:
 def main(argv):
   del argv
   import tensorflow_datasets as tfds
-  from flax_transformer import parallel_text, tokenizer
+  from flax_transformer import parallel_text, settings, tokenizer
   os.makedirs(flags.FLAGS.workdir, exist_ok=True)
   paths = synthetic_corpus(flags.FLAGS.workdir, flags.FLAGS.pairs)
   files_config = config_for('files', paths)
-  _, vocab_path = tokenizer.train_or_load(files_config, flags.FLAGS.workdir,
-                                          lambda: parallel_text.python_pairs(files_config))
+  _, vocab_path = tokenizer.train_or_load(settings.resolve(files_config).data, flags.FLAGS.workdir,
+                                          lambda: parallel_text.python_pairs(settings.resolve(files_config).data))
   if flags.FLAGS.measure:
     print(json.dumps(measure(flags.FLAGS.measure, paths, vocab_path)))
     return

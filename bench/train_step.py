@@ -75,23 +75,23 @@ def torch_matmul_peak(threads: int, n: int = 2048) -> float:
   return _median_gflops(lambda: a @ a, n)
 
 
-def build_ours(s, batch, dtype: str = 'float32', max_len: int = 64):
+def build_ours(s, batch, dtype: str = 'float32', max_positions: int = 64):
   """-> (run one step of our jitted train step on `batch`, the jitted step) for shape `s`."""
   import jax
   from configs import base
-  from flax_transformer import partitioning, platforms, steps
-  from flax_transformer.model import TransformerConfig
+  from flax_transformer import partitioning, settings, steps, train_state
   config = base.get_config()
   config.model.vocab_size, config.model.d_model, config.model.d_ff = s['vocab'], s['d_model'], s['d_ff']
-  config.model.num_heads, config.model.dropout_rate, config.model.max_len = s['heads'], 0.1, max_len
+  config.model.num_heads, config.model.dropout_rate, config.model.max_positions = s['heads'], 0.1, max_positions
   config.model.dtype = dtype
   config.model.num_encoder_layers = config.model.num_decoder_layers = s['layers']
-  model_config = TransformerConfig.from_config(config)
+  run = settings.resolve(config)
+  model_config = run.model
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  state, shardings = train_state.create_train_state(model_config, run.optimizer, mesh, jax.random.key(0))
   step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1,
-                        fused_output_loss=platforms.fused_output_loss(config.output_loss)), mesh, shardings)
+                        fused_output_loss=run.loop.fused_output_loss), mesh, shardings)
   rng = jax.random.key(1)
   holder = {'state': state}
 

@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.pre_norm = False  # Post-LN, as in §3.1.
   config.model.learned_positions = False  # Sinusoids (§3.5); Table 3 row E shows they tie.
   config.model.share_embeddings = True  # §3.4.
-  config.model.max_len = 512  # Position-table rows: longest sentence (or decode) in tokens.
+  config.model.max_positions = 512  # Position-table rows: longest sentence (or decode) in tokens.
   config.model.dtype = 'float32'  # 'bfloat16' computes in bf16 with float32 parameters.
   config.model.layer_norm_epsilon = 1e-6
   config.model.scan_unroll = 1  # Layers per scan step; all layers unrolled: faster CPU steps, longer compiles.
@@ -44,8 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.init_from = ''  # 'WORKDIR[:STEP]': fine-tune, starting from that run's parameters and vocabulary.
   config.vocab_type = 'bpe'  # §5.1 byte-pair encoding; 'unigram' is the alternative.
   config.vocab_sample_sentences = 4_000_000  # Drawn uniformly from both sides of the whole split (SentencePiece's memory grows with it).
-  config.max_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.
-  config.eval_max_length = 256  # Longest eval sentence kept whole; longer ones are truncated and counted.
+  config.max_train_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.
+  config.max_eval_length = 256  # Longest eval sentence kept whole; longer ones are truncated and counted.
   config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch (global: all processes and devices).
   config.eval_tokens_per_batch = 8192  # Per-batch token budget for evaluation and decoding.
   config.num_bucket_boundaries = 16  # Length buckets: a bounded number of compiled shapes.

@@ -11,9 +11,9 @@ def get_config():
   config.model.d_ff = 32
   config.model.num_encoder_layers = 2
   config.model.num_decoder_layers = 2
-  config.model.max_len = 128
-  config.max_length = 32
-  config.eval_max_length = 64
+  config.model.max_positions = 128
+  config.max_train_length = 32
+  config.max_eval_length = 64
   config.vocab_sample_sentences = 10_000
   config.tokens_per_batch = 256
   config.eval_tokens_per_batch = 256

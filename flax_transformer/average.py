@@ -10,13 +10,13 @@ import os
 import sys
 
 if __name__ == '__main__':  # before anything imports TensorFlow
-  from flax_transformer import platforms
-  platforms.import_tensorflow_quietly()
+  from flax_transformer import tensorflow_setup
+  tensorflow_setup.import_quietly()
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from flax_transformer import checkpointing, partitioning, storage, tokenizer  # noqa: E402
+from flax_transformer import checkpointing, partitioning, settings, storage, tokenizer, workdirs  # noqa: E402
 from flax_transformer.errors import UserError, WorkdirError  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
 
@@ -56,13 +56,13 @@ def write_averaged_workdir(workdir: str, output: str, count: int | None = None, 
   The average is written to a folder beside `output` and moved into place when complete; with `overwrite`
   the previous output is removed only then, so a failure leaves it as it was.
   """
-  config = checkpointing.read_config(workdir)
+  config = workdirs.read_config(workdir)
   count = config.average_last if count is None else count
   output = storage.path(output)
   _check_output(workdir, output)
   if output.is_dir() and any(output.iterdir()) and not overwrite:
     raise WorkdirError(f'{output} is not empty; choose a new --output or pass --overwrite to replace it')
-  params, chosen = averaged_params(workdir, count, TransformerConfig.from_config(config))
+  params, chosen = averaged_params(workdir, count, settings.model_settings(config))
   staging = output.parent / f'.{output.name}.partial.{os.getpid()}'
   if staging.exists():
     staging.rmtree()
@@ -72,7 +72,7 @@ def write_averaged_workdir(workdir: str, output: str, count: int | None = None, 
   with config.unlocked():
     config.average_last = 1  # the output holds one checkpoint: the average
   checkpointing.save_params(checkpointing.checkpoint_dir(staging), chosen[-1], params)
-  checkpointing.write_config(staging, config)
+  workdirs.write_config(staging, config)
   replaced = output.parent / f'.{output.name}.replaced.{os.getpid()}'
   if output.exists():
     storage.move(output, replaced)

@@ -1,7 +1,7 @@
-"""Length buckets and the batch plan (§5.1) that every process of a run computes identically.
+"""Length buckets and the batching (§5.1) that every process of a run computes identically.
 
 Input: the joint (source length, target length) histogram of the *whole* training split, summed over
-the processes' shards. Output: a `BatchPlan` — the bucket boundaries, the padded shape of each batch
+the processes' shards. Output: a `Batching` — the bucket boundaries, the padded shape of each batch
 kind, its global batch size (rows within `tokens_per_batch`), and the integer weights with which the
 shape of step t is drawn. Being a pure function of the global histogram and the config, it is the same
 on every process, so at every step every process builds a batch of the same shape (each from its own
@@ -20,24 +20,24 @@ BUCKET_SHAPES = ('pairs', 'longer_side')
 WEIGHT_SCALE = 2 ** 24  # Integer draw weights: a shape's weight is its expected batches per epoch × 2^24.
 
 
-class PlanError(UserError):
+class BatchingError(UserError):
   """A configuration that cannot batch the data; the message says what to change."""
 
 
 def check_bucket_shapes(mode: str) -> None:
   if mode not in BUCKET_SHAPES:
-    raise PlanError(f"config.bucket_shapes={mode!r} is not one of {', '.join(BUCKET_SHAPES)}")
+    raise BatchingError(f"config.bucket_shapes={mode!r} is not one of {', '.join(BUCKET_SHAPES)}")
 
 
 def bucket_boundaries(histogram: np.ndarray, count: int) -> list[int]:
   """At most `count` padded lengths that minimise the padding of a length histogram.
 
-  histogram: [max_length + 1] pairs whose longer side has l tokens. The last boundary is the longest
+  histogram: [max_train_length + 1] pairs whose longer side has l tokens. The last boundary is the longest
   length present. Dynamic programming: cost[k, b] is the least padding of all lengths <= b with k
   boundaries, the last at b, so boundaries land where the data is dense and few shapes pad little.
   """
   if count < 1:
-    raise PlanError(f'config.num_bucket_boundaries={count}: must be at least 1')
+    raise BatchingError(f'config.num_bucket_boundaries={count}: must be at least 1')
   histogram = np.asarray(histogram, np.int64)
   present = np.flatnonzero(histogram)
   longest = int(present[-1]) if present.size else 1
@@ -95,14 +95,14 @@ def batch_sizes(boundaries: list[int], tokens_per_batch: int, multiple: int, mod
   longer = np.maximum(*bucket_shapes(boundaries, mode))
   sizes = tokens_per_batch // longer // multiple * multiple
   if sizes.min() < multiple:
-    raise PlanError(f'config.tokens_per_batch={tokens_per_batch} cannot hold {multiple} sentences of '
+    raise BatchingError(f'config.tokens_per_batch={tokens_per_batch} cannot hold {multiple} sentences of '
                     f'{boundaries[-1]} tokens (a multiple of the data-parallel size times gradient accumulation '
-                    f'steps); raise it to at least {multiple * boundaries[-1]} or lower config.max_length')
+                    f'steps); raise it to at least {multiple * boundaries[-1]} or lower config.max_train_length')
   return sizes
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchPlan:
+class Batching:
   """What every process agrees on: the shapes, their global batch sizes and draw weights."""
   boundaries: tuple[int, ...]
   mode: str
@@ -111,7 +111,7 @@ class BatchPlan:
   batch_sizes: tuple[int, ...]  # [shapes] global rows
   pairs: tuple[int, ...]  # [shapes] training pairs of each shape in the whole split
   thresholds: tuple[int, ...]  # [shapes] cumulative integer weights; shape k is drawn for u in [t[k-1], t[k])
-  dropped: int  # pairs over max_length on either side, in the whole split
+  dropped: int  # pairs over max_train_length on either side, in the whole split
 
   @property
   def used_shapes(self) -> list[int]:
@@ -121,9 +121,9 @@ class BatchPlan:
     return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def make_plan(histogram: np.ndarray, dropped: int, num_boundaries: int, tokens_per_batch: int, multiple: int,
-              mode: str = 'pairs') -> BatchPlan:
-  """The batch plan of a joint length histogram ([L + 1, L + 1]: pairs of source length s, target length t).
+def make_batching(histogram: np.ndarray, dropped: int, num_boundaries: int, tokens_per_batch: int, multiple: int,
+                  mode: str = 'pairs') -> Batching:
+  """The batching of a joint length histogram ([L + 1, L + 1]: pairs of source length s, target length t).
 
   A shape's weight is the number of batches it fills per epoch (pairs / global batch size): the shape of
   each step is drawn in proportion, so over an epoch each pair is seen about once whatever its length.
@@ -131,7 +131,7 @@ def make_plan(histogram: np.ndarray, dropped: int, num_boundaries: int, tokens_p
   check_bucket_shapes(mode)
   histogram = np.asarray(histogram, np.int64)
   if histogram.sum() == 0:
-    raise PlanError('no training pair fits config.max_length on both sides; raise config.max_length')
+    raise BatchingError('no training pair fits config.max_train_length on both sides; raise config.max_train_length')
   boundaries = bucket_boundaries(np.bincount(np.maximum(*np.indices(histogram.shape)).ravel(),
                                              weights=histogram.ravel(), minlength=histogram.shape[0]), num_boundaries)
   source, target = np.nonzero(histogram)
@@ -140,7 +140,7 @@ def make_plan(histogram: np.ndarray, dropped: int, num_boundaries: int, tokens_p
   sizes = batch_sizes(boundaries, tokens_per_batch, multiple, mode)
   weights = [max(1, int(n) * WEIGHT_SCALE // int(size)) if n else 0 for n, size in zip(counts, sizes)]
   source_lengths, target_lengths = bucket_shapes(boundaries, mode)
-  return BatchPlan(boundaries=tuple(int(b) for b in boundaries), mode=mode,
+  return Batching(boundaries=tuple(int(b) for b in boundaries), mode=mode,
                    source_lengths=tuple(int(x) for x in source_lengths),
                    target_lengths=tuple(int(x) for x in target_lengths),
                    batch_sizes=tuple(int(x) for x in sizes), pairs=tuple(int(x) for x in counts),

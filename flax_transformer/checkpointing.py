@@ -5,7 +5,7 @@ Layout of a workdir:
                                                 name, then renamed: a crash never leaves a half-written
                                                 checkpoint); data/process_<i>.json is process i's
                                                 data-iterator state at that step (exact resume)
-  config.json, sentencepiece.model             the run's configuration and vocabulary
+  config.json, sentencepiece.model             the run's configuration and vocabulary (workdirs.py)
 """
 
 import dataclasses
@@ -20,12 +20,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flax_transformer import cluster, storage
-from flax_transformer.errors import UserError, WorkdirError
+from flax_transformer.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
-CONFIG_FILENAME = 'config.json'
-# config.model fields a resumed run may change: regularisation and how the same network is computed.
-COMPUTE_CHOICES = ('dropout_rate', 'attention_dropout_rate', 'dropout_masks', 'attention', 'dtype', 'scan_unroll')
 
 
 def checkpoint_dir(workdir: str):
@@ -264,49 +261,3 @@ def save_params(directory: str, step: int, params) -> None:
   with ocp.CheckpointManager(storage.path(directory), options=options) as manager:
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
     manager.wait_until_finished()
-
-
-# --- Run configuration -------------------------------------------------------
-
-def check_workdir(workdir: str, config) -> None:
-  """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""
-  try:  # one probe per process: the processes of a multi-host run check the same (shared) workdir at once
-    storage.check_writable(workdir, 'workdir', 'choose another --workdir')
-    storage.check_writable(checkpoint_dir(workdir), 'the checkpoints folder of workdir',
-                           'make it writable or choose another --workdir')
-  except storage.StorageError as error:
-    raise WorkdirError(str(error)) from None
-  path = storage.path(workdir) / CONFIG_FILENAME
-  if not path.exists():
-    return
-  saved = _read_json(path)
-  current = json.loads(config.to_json())
-  for key in sorted(set(saved.get('model', {})) | set(current['model'])):
-    if saved.get('model', {}).get(key) != current['model'].get(key) and key not in COMPUTE_CHOICES:
-      raise WorkdirError(f'workdir {workdir} holds a run with model.{key}={saved["model"].get(key)!r} but this config '
-                         f'has {current["model"].get(key)!r}; use a new --workdir (the existing run is left untouched)')
-  for key in ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'):
-    if saved.get(key) != current.get(key):
-      raise WorkdirError(f'workdir {workdir} holds a run with {key}={saved.get(key)!r} but this config has '
-                         f'{current.get(key)!r}; use a new --workdir (the existing run is left untouched)')
-
-
-def write_config(workdir: str, config) -> None:
-  storage.write_atomic(storage.path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2))
-
-
-def read_config(workdir: str):
-  """The ConfigDict a run saved in its workdir."""
-  import ml_collections
-  path = storage.path(workdir) / CONFIG_FILENAME
-  if not path.exists():
-    raise WorkdirError(f'{workdir} has no {CONFIG_FILENAME}; point --workdir at a directory written by train.py')
-  return ml_collections.ConfigDict(_read_json(path))
-
-
-def _read_json(path) -> dict:
-  try:
-    return json.loads(path.read_text())
-  except json.JSONDecodeError as error:
-    raise WorkdirError(f'{path} is damaged ({error.msg} at line {error.lineno}); restore it from a copy, or '
-                       f'rewrite it with the run\'s config (train.py writes it at start-up)') from None

@@ -21,10 +21,14 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 
-from flax_transformer.errors import ConfigError, UserError
+from flax_transformer.errors import UserError
+
+if TYPE_CHECKING:
+  from flax_transformer.settings import ClusterSettings
 
 TPU_HOSTS_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES')
 SLURM_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
@@ -50,18 +54,17 @@ def _gpus_on_node(environ: Mapping[str, str]) -> int | None:
   return len(visible.split(',')) if visible and visible != 'NoDevFiles' else None
 
 
-def detect(config, environ: Mapping[str, str] | None = None, tpu_chips: int | None = None) -> ClusterStart:
+def detect(cluster_settings: 'ClusterSettings', environ: Mapping[str, str] | None = None,
+           tpu_chips: int | None = None) -> ClusterStart:
   """The cluster this process runs in and the `jax.distributed.initialize` arguments that start it."""
   environ = os.environ if environ is None else environ
-  timeouts = {'heartbeat_timeout_seconds': config.heartbeat_timeout_seconds,
-              'shutdown_timeout_seconds': config.shutdown_timeout_seconds}
-  if config.coordinator_address:
-    if not 0 <= config.process_id < config.num_processes:
-      raise ConfigError(f'config.process_id={config.process_id} is outside 0..{config.num_processes - 1} '
-                        f'(config.num_processes={config.num_processes}); give each process its own id')
-    return ClusterStart(f'explicit coordinator {config.coordinator_address}, {config.num_processes} processes',
-                        {'coordinator_address': config.coordinator_address, 'num_processes': config.num_processes,
-                         'process_id': config.process_id, **timeouts})
+  timeouts = {'heartbeat_timeout_seconds': cluster_settings.heartbeat_timeout_seconds,
+              'shutdown_timeout_seconds': cluster_settings.shutdown_timeout_seconds}
+  address, count, index = (cluster_settings.coordinator_address, cluster_settings.num_processes,
+                            cluster_settings.process_id)
+  if address:  # settings.py checked that 0 <= index < count
+    return ClusterStart(f'explicit coordinator {address}, {count} processes',
+                        {'coordinator_address': address, 'num_processes': count, 'process_id': index, **timeouts})
   if (_tpu_chips() if tpu_chips is None else tpu_chips) > 0:
     kind = 'GKE TPU' if any(environ.get(v) for v in TPU_HOSTS_VARIABLES) else 'Cloud TPU VM'
     if environ.get('MEGASCALE_COORDINATOR_ADDRESS'):
@@ -81,9 +84,9 @@ def detect(config, environ: Mapping[str, str] | None = None, tpu_chips: int | No
   return ClusterStart('single process', None)
 
 
-def start(config) -> ClusterStart:
+def start(cluster_settings: 'ClusterSettings') -> ClusterStart:
   """Starts jax.distributed as `detect` says (once per process; before anything asks JAX for devices)."""
-  found = detect(config)
+  found = detect(cluster_settings)
   if found.arguments is not None and not jax.distributed.is_initialized():
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # collectives of CPU devices (tests, CPU clusters)
     jax.distributed.initialize(**found.arguments)
@@ -150,12 +153,12 @@ def _try_get(client, key: str) -> str | None:
     return None
 
 
-def watch_peers(config) -> None:
+def watch_peers(cluster_settings: 'ClusterSettings') -> None:
   """Starts the PeerWatch of a multi-process run (once per process)."""
   global _watch
   if jax.process_count() > 1 and _watch is None:
     from jax._src import distributed
-    _watch = PeerWatch(distributed.global_state.client, config.heartbeat_timeout_seconds / 2)
+    _watch = PeerWatch(distributed.global_state.client, cluster_settings.heartbeat_timeout_seconds / 2)
     _watch.start()
 
 

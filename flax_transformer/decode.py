@@ -25,16 +25,17 @@ def length_penalty(length, alpha: float):
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def top_k(x: jax.Array, k: int, method: str = 'auto'):
+def top_k(x: jax.Array, k: int, method: str = 'lax'):
   """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages
-  (method 'two_stage'), or `jax.lax.top_k` itself (method 'lax'); 'auto' picks by platform (platforms.py).
+  (method 'two_stage'), or `jax.lax.top_k` itself (method 'lax'); a run's 'auto' is made by settings.py.
 
   XLA:CPU's top-k sorts each whole row; over a vocabulary that costs more than the rest of a beam step.
   The k largest entries lie in the k blocks (of 64–128 entries, a divisor of v) with the largest
   maxima, so the search takes those blocks' maxima, then the top k of the entries of the chosen blocks
   (in index order, so ties resolve to the lowest index, as lax.top_k does).
   """
-  method = platforms.top_k(method)
+  if method not in platforms.TOP_K:
+    raise ValueError(f'top-k method {method!r}: use one of {platforms.TOP_K}')
   rows, width = x.shape
   block = next((b for b in range(128, 63, -1) if width % b == 0), None)
   if method == 'lax' or block is None or width < 4 * k * block:
@@ -57,9 +58,9 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
-def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
+def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
                 beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID, reorder_cache=gather_leading_rows,
-                top_k_method: str = 'auto', num_results: int | None = None):
+                top_k_method: str = 'lax', num_results: int | None = None):
   """Beam search returning the best hypothesis of each sentence, or its `num_results` best.
 
   Args:
@@ -67,18 +68,18 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     cache: the callback's state for b·n hypotheses (see module docstring).
     batch: b.
     max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50).
-    max_decode_len: static upper bound of max_lengths (the size of the output and the cache).
+    max_output_length: static upper bound of max_lengths (the size of the output and the cache).
     beam_size: n. alpha: length-penalty exponent (0 = none).
     reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
     top_k_method: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
     num_results: None for the best hypothesis alone; k ≤ n for the k best, the search then running until
       the k-th best finished one (not only the best) beats every live one.
   Returns:
-    (tokens [b, max_decode_len] int32, ending with EOS unless cut at the length limit, 0-padded;
-     scores [b]: the length-penalised log-probabilities), or with num_results=k: ([b, k, max_decode_len],
+    (tokens [b, max_output_length] int32, ending with EOS unless cut at the length limit, 0-padded;
+     scores [b]: the length-penalised log-probabilities), or with num_results=k: ([b, k, max_output_length],
      [b, k]), best first.
   """
-  n, length = beam_size, max_decode_len
+  n, length = beam_size, max_output_length
   kept = num_results or 1
   if not 1 <= kept <= n:
     raise ValueError(f'num_results={num_results} must be between 1 and the beam size {n}')
@@ -150,18 +151,18 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
 
 
-def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_decode_len: int,
+def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
                   eos_id: int = EOS_ID):
   """The most probable next token at each step; stops when every sentence has ended.
 
-  Returns (tokens [b, max_decode_len] int32, log-probabilities [b]).
+  Returns (tokens [b, max_output_length] int32, log-probabilities [b]).
   """
-  max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_decode_len)
-  initial = {'step': jnp.array(0, jnp.int32), 'tokens': jnp.zeros((batch, max_decode_len + 1), jnp.int32),
+  max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_output_length)
+  initial = {'step': jnp.array(0, jnp.int32), 'tokens': jnp.zeros((batch, max_output_length + 1), jnp.int32),
              'ended': jnp.zeros((batch,), bool), 'scores': jnp.zeros((batch,), jnp.float32), 'cache': cache}
 
   def not_done(state):
-    return (state['step'] < max_decode_len) & ~jnp.all(state['ended'])
+    return (state['step'] < max_output_length) & ~jnp.all(state['ended'])
 
   def body(state):
     step = state['step']
@@ -184,17 +185,17 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
 # --- The Transformer as a tokens_to_logits callback ------------------------------------------
 
 def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_extra_length: int,
-                    max_decode_len: int, top_k_method: str = 'auto', num_results: int | None = None):
-  """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_decode_len], scores [b]), or with
-  num_results=k the k best of each sentence's beam: ([b, k, max_decode_len], [b, k]).
+                    max_output_length: int, top_k_method: str = 'lax', num_results: int | None = None):
+  """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_output_length], scores [b]), or with
+  num_results=k the k best of each sentence's beam: ([b, k, max_output_length], [b, k]).
 
   Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
-  Bind model/beam_size/alpha/max_extra_length/max_decode_len with functools.partial and jit.
+  Bind model/beam_size/alpha/max_extra_length/max_output_length with functools.partial and jit.
   """
   batch = inputs.shape[0]
   encoded = model.apply({'params': params}, inputs, method=model.encode)  # [b, s, e]
   n = max(beam_size, 1)
-  cache = model.apply({'params': params}, encoded, n, max_decode_len, method=model.init_cache)
+  cache = model.apply({'params': params}, encoded, n, max_output_length, method=model.init_cache)
   source_lengths = jnp.sum(inputs > 0, axis=1)  # [b]
   max_lengths = source_lengths + max_extra_length
 
@@ -202,22 +203,22 @@ def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_
     return model.apply({'params': params}, ids, inputs, cache, method=model.decode_step)
 
   if beam_size <= 1:
-    tokens, scores = greedy_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len)
+    tokens, scores = greedy_search(tokens_to_logits, cache, batch, max_lengths, max_output_length)
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
-  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_decode_len, beam_size, alpha,
+  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_output_length, beam_size, alpha,
                      reorder_cache=type(model).reorder_cache, top_k_method=top_k_method, num_results=num_results)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_decode_len: int,
-                     top_k_method: str = 'auto', num_results: int | None = None):
+def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_output_length: int,
+                     top_k_method: str = 'lax', num_results: int | None = None):
   """One compiled predict step per (model, beam, alpha, lengths, top-k method, results); cached across calls."""
   return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size, alpha=alpha,
-                                   max_extra_length=max_extra_length, max_decode_len=max_decode_len,
+                                   max_extra_length=max_extra_length, max_output_length=max_output_length,
                                    top_k_method=top_k_method, num_results=num_results))
 
 
-def decode_length(source_length: int, max_extra_length: int, max_len: int) -> int:
+def decode_length(source_length: int, max_extra_length: int, max_positions: int) -> int:
   """A static output length for a padded source length, rounded up to limit recompilation."""
   need = source_length + max_extra_length
-  return int(min(max_len, int(np.ceil(need / 16.0) * 16)))
+  return int(min(max_positions, int(np.ceil(need / 16.0) * 16)))

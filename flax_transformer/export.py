@@ -76,8 +76,8 @@ def model_spec(params, model_config, pieces: list[str]):
   else:
     source_table, target_table = params['source_embedding']['embedding'], params['target_embedding']['embedding']
     output = np.array(np.asarray(params['output_projection']['kernel'], np.float32).T, order='C')
-  # [rows, e]: at least CTranslate2's default output length of 256 (the sinusoids extend past max_len as they are)
-  positions = layers.sinusoidal_positions(max(c.max_len, POSITION_ROWS), c.d_model)
+  # [rows, e]: at least CTranslate2's default output length of 256 (the sinusoids extend past max_positions as they are)
+  positions = layers.sinusoidal_positions(max(c.max_positions, POSITION_ROWS), c.d_model)
   for stack_spec, table in ((spec.encoder, source_table), (spec.decoder, target_table)):
     embeddings = stack_spec.embeddings[0] if isinstance(stack_spec.embeddings, list) else stack_spec.embeddings
     embeddings.weight = np.array(table, np.float32)
@@ -180,6 +180,6 @@ def console():
 
 
 if __name__ == '__main__':
-  from flax_transformer import platforms
-  platforms.import_tensorflow_quietly()
+  from flax_transformer import tensorflow_setup
+  tensorflow_setup.import_quietly()
   console()

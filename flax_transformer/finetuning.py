@@ -8,12 +8,12 @@ checkpoint of its own it resumes from that, as any run does.
 
 import dataclasses
 
-from flax_transformer import checkpointing, storage, tokenizer
+from flax_transformer import checkpointing, settings, storage, tokenizer, workdirs
 from flax_transformer.errors import WorkdirError
 from flax_transformer.model import TransformerConfig
 
 SHAPE_FIELDS = ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_encoder_layers', 'num_decoder_layers',
-                'share_embeddings', 'learned_positions', 'pre_norm')  # and max_len with learned positions
+                'share_embeddings', 'learned_positions', 'pre_norm')  # and max_positions with learned positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,35 +31,36 @@ def _parse(init_from: str) -> tuple[str, int | None]:
   return init_from, None
 
 
-def source(config, model_config: TransformerConfig) -> Source | None:
-  """The checked source of `config.init_from` ('' = none), or a one-line error naming the mismatch."""
-  if not config.get('init_from'):
+def source(init_from: str, model_config: TransformerConfig, vocab_path: str = '') -> Source | None:
+  """The checked source of config.init_from ('' = none) for a run of `model_config` with the vocabulary
+  config.vocab_path (`vocab_path`, '' = the source's), or a one-line error naming the mismatch."""
+  if not init_from:
     return None
-  workdir, step = _parse(config.init_from)
+  workdir, step = _parse(init_from)
   fix = 'point --config.init_from at a workdir of the same model shape, or change the model to match it'
-  saved = checkpointing.read_config(workdir)
-  saved_model = TransformerConfig.from_config(saved)
-  fields = SHAPE_FIELDS + (('max_len',) if model_config.learned_positions else ())
+  saved = workdirs.read_config(workdir)
+  saved_model = settings.model_settings(saved)
+  fields = SHAPE_FIELDS + (('max_positions',) if model_config.learned_positions else ())
   for field in fields:
     if getattr(saved_model, field) != getattr(model_config, field):
-      raise WorkdirError(f'config.init_from={config.init_from} holds model.{field}={getattr(saved_model, field)!r} '
+      raise WorkdirError(f'config.init_from={init_from} holds model.{field}={getattr(saved_model, field)!r} '
                          f'but this config has {getattr(model_config, field)!r}; {fix}')
   steps = checkpointing.available_steps(workdir)
   if not steps:
-    raise WorkdirError(f'config.init_from={config.init_from}: {workdir} holds no checkpoint; train it first')
+    raise WorkdirError(f'config.init_from={init_from}: {workdir} holds no checkpoint; train it first')
   if step is not None and step not in steps:
-    raise WorkdirError(f'config.init_from={config.init_from}: no checkpoint at step {step}; available: {steps}')
-  vocab_path = saved.get('vocab_path') or f'{storage.path(workdir)}/{tokenizer.VOCAB_FILENAME}'
-  if config.vocab_path and storage.path(config.vocab_path).read_bytes() != storage.path(vocab_path).read_bytes():
-    raise WorkdirError(f'config.vocab_path={config.vocab_path} differs from the vocabulary of config.init_from '
-                       f'({vocab_path}); leave config.vocab_path empty to take the source\'s vocabulary')
-  return Source(workdir, steps[-1] if step is None else step, vocab_path)
+    raise WorkdirError(f'config.init_from={init_from}: no checkpoint at step {step}; available: {steps}')
+  source_vocab = saved.vocab_path or f'{storage.path(workdir)}/{tokenizer.VOCAB_FILENAME}'
+  if vocab_path and storage.path(vocab_path).read_bytes() != storage.path(source_vocab).read_bytes():
+    raise WorkdirError(f'config.vocab_path={vocab_path} differs from the vocabulary of config.init_from '
+                       f'({source_vocab}); leave config.vocab_path empty to take the source\'s vocabulary')
+  return Source(workdir, steps[-1] if step is None else step, source_vocab)
 
 
-def copy_vocabulary(origin: Source, config, workdir) -> None:
-  """The source's vocabulary becomes the new workdir's (unless config.vocab_path names it already)."""
+def copy_vocabulary(origin: Source, vocab_path: str, workdir) -> None:
+  """The source's vocabulary becomes the new workdir's (unless config.vocab_path, `vocab_path`, names it)."""
   target = storage.path(workdir) / tokenizer.VOCAB_FILENAME
-  if not config.vocab_path and not target.exists():
+  if not vocab_path and not target.exists():
     storage.write_atomic(target, storage.path(origin.vocab_path).read_bytes())
 
 

@@ -5,7 +5,7 @@ The stages: parallel_text.py (text pairs) -> token_table.py (SentencePiece ids i
 Training, on one process or many. Each data shard (the processes that feed the same rows of the global
 batch; one per host on a data-parallel mesh) tokenises its 1/shards of the split once into an in-memory
 table. The shards' joint (source, target) length histograms are summed, and from that global histogram
-every process computes the same `bucketing.BatchPlan`: boundaries, shapes (`config.bucket_shapes`:
+every process computes the same `bucketing.Batching`: boundaries, shapes (`config.bucket_shapes`:
 'pairs' or 'longer_side'), global batch sizes within `config.tokens_per_batch` and draw weights. The
 shape of step t is drawn from one seeded sequence shared by every process (`tf.random.stateless_uniform`
 at (seed, t), weighted by each shape's batches per epoch), and each shard fills it from its own rows of
@@ -23,9 +23,11 @@ process with each checkpoint; resume is exact. `tokens_per_batch` is the global 
 
 Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
 """
+
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -36,6 +38,9 @@ from flax_transformer.parallel_text import DataError, python_pairs
 from flax_transformer.errors import UserError
 from flax_transformer.token_table import TokenTable, train_table
 
+if TYPE_CHECKING:
+  from flax_transformer.settings import DataSettings
+
 
 # --- Training batches ------------------------------------------------------------------------
 
@@ -44,18 +49,18 @@ def _schedule_seed(seed: int, stream: int) -> int:
   return (int(seed) % 2 ** 31) * 2 ** 16 + stream
 
 
-def initial_state(plan: bucketing.BatchPlan, shard: tuple[int, int], seed: int) -> dict:
+def initial_state(batching: bucketing.Batching, shard: tuple[int, int], seed: int) -> dict:
   """The data state of a fresh stream: step 0, every shape at its first batch."""
-  return {'step': 0, 'positions': [0] * len(plan.batch_sizes), 'seed': int(seed), 'shard': list(shard),
-          'plan': plan.fingerprint()}
+  return {'step': 0, 'positions': [0] * len(batching.batch_sizes), 'seed': int(seed), 'shard': list(shard),
+          'plan': batching.fingerprint()}  # saved in checkpoints under this key
 
 
 def _shape_stream(sources: tf.RaggedTensor, targets: tf.RaggedTensor, rows: np.ndarray,
-                  shape: int, plan: bucketing.BatchPlan, shard_count: int, seed: int, start: int,
+                  shape: int, batching: bucketing.Batching, shard_count: int, seed: int, start: int,
                   repeat: bool) -> tf.data.Dataset:
   """This shard's batches of one shape: its rows in a fresh random order every epoch, `batch` at a time."""
-  batch = plan.batch_sizes[shape] // shard_count
-  source_length, target_length = plan.source_lengths[shape], plan.target_lengths[shape]
+  batch = batching.batch_sizes[shape] // shard_count
+  source_length, target_length = batching.source_lengths[shape], batching.target_lengths[shape]
   n = len(rows)
   rows = tf.constant(rows, tf.int64)
   shuffle_seed = _schedule_seed(seed, shape + 1)
@@ -89,10 +94,10 @@ class TrainBatches:
   exactly from there.
   """
 
-  def __init__(self, dataset: tf.data.Dataset, state: dict, plan: bucketing.BatchPlan):
+  def __init__(self, dataset: tf.data.Dataset, state: dict, batching: bucketing.Batching):
     self._iterator = iter(dataset)
     self._state = {**state, 'positions': list(state['positions'])}
-    self.plan = plan
+    self.batching = batching
 
   def __iter__(self):
     return self
@@ -107,22 +112,22 @@ class TrainBatches:
     return {**self._state, 'positions': list(self._state['positions'])}
 
 
-def train_batches(table: TokenTable, plan: bucketing.BatchPlan, shard: tuple[int, int] = (0, 1), seed: int = 0,
+def train_batches(table: TokenTable, batching: bucketing.Batching, shard: tuple[int, int] = (0, 1), seed: int = 0,
                   state: dict | None = None, repeat: bool = True) -> TrainBatches:
-  """This shard's training batches under `plan`: at step t the shape every shard draws, filled from `table`.
+  """This shard's training batches under `batching`: at step t the shape every shard draws, filled from `table`.
 
   repeat=False gives one epoch of this shard (every pair once, the last batch of each shape padded with
   empty rows) for inspection; its batch count depends on the shard, so only `repeat` runs on many processes.
   """
-  state = state or initial_state(plan, shard, seed)
-  shapes = bucketing.shape_index(table.sources.lengths, table.targets.lengths, plan.boundaries, plan.mode)
+  state = state or initial_state(batching, shard, seed)
+  shapes = bucketing.shape_index(table.sources.lengths, table.targets.lengths, batching.boundaries, batching.mode)
   order = np.argsort(shapes, kind='stable')
-  rows = np.split(order, np.searchsorted(shapes[order], np.arange(1, len(plan.batch_sizes))))
+  rows = np.split(order, np.searchsorted(shapes[order], np.arange(1, len(batching.batch_sizes))))
   with tf.device('/CPU:0'):
     sources, targets = table.sources.ragged(), table.targets.ragged()
-  streams = [_shape_stream(sources, targets, rows[k], k, plan, shard[1], state['seed'],
-                           state['positions'][k], repeat) for k in range(len(plan.batch_sizes))]
-  thresholds = tf.constant(plan.thresholds, tf.int64)
+  streams = [_shape_stream(sources, targets, rows[k], k, batching, shard[1], state['seed'],
+                           state['positions'][k], repeat) for k in range(len(batching.batch_sizes))]
+  thresholds = tf.constant(batching.thresholds, tf.int64)
   schedule_seed = _schedule_seed(state['seed'], 0)
 
   def draw(step):  # the shape of `step`: the same on every process
@@ -133,18 +138,18 @@ def train_batches(table: TokenTable, plan: bucketing.BatchPlan, shard: tuple[int
   if repeat:
     dataset = tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.counter(state['step']).map(draw))
   else:  # one epoch of this shard: the shapes mixed in proportion to their batches left
-    weights = [-(-len(r) // (size // shard[1])) for r, size in zip(rows, plan.batch_sizes)]
+    weights = [-(-len(r) // (size // shard[1])) for r, size in zip(rows, batching.batch_sizes)]
     dataset = tf.data.Dataset.sample_from_datasets(streams, [w / sum(weights) for w in weights], seed=state['seed'],
                                                    stop_on_empty_dataset=False)
   options = tf.data.Options()
   options.deterministic = True  # Same seed and state, same batch sequence (exact resume depends on it).
-  return TrainBatches(dataset.with_options(options).prefetch(tf.data.AUTOTUNE), state, plan)
+  return TrainBatches(dataset.with_options(options).prefetch(tf.data.AUTOTUNE), state, batching)
 
 
-def train_plan(config, histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.BatchPlan:
-  """The batch plan of a global length histogram; global batch sizes are multiples of data-parallel × k."""
-  return bucketing.make_plan(histogram, dropped, config.num_bucket_boundaries, config.tokens_per_batch,
-                             data_parallel_size * config.gradient_accumulation_steps, config.bucket_shapes)
+def train_batching(data: 'DataSettings', histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.Batching:
+  """The batching of a global length histogram; global batch sizes are multiples of data-parallel × k."""
+  return bucketing.make_batching(histogram, dropped, data.num_bucket_boundaries, data.tokens_per_batch,
+                             data_parallel_size * data.gradient_accumulation_steps, data.bucket_shapes)
 
 
 def _sum_over_shards(values: np.ndarray, shard: tuple[int, int]) -> np.ndarray:
@@ -159,29 +164,29 @@ def _sum_over_shards(values: np.ndarray, shard: tuple[int, int]) -> np.ndarray:
   return gathered[first, 1:].astype(np.int64).sum(0)
 
 
-def process_train_batches(config, vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
+def process_train_batches(data: 'DataSettings', vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
                           seed: int, state: dict | None = None) -> TrainBatches:
   """This process's training batches in a run of any number of processes (collective: call on all)."""
   table, error = None, None
   try:
-    table = train_table(config, vocab_path, shard)
+    table = train_table(data, vocab_path, shard)
   except UserError as raised:  # a shard without usable data, a file only this process cannot read...
     error = raised
   cluster.agree('training data', error)  # every process stops on it, before the collective below
-  size = config.max_length + 1
-  totals = _sum_over_shards(np.concatenate([[table.dropped], table.histogram(config.max_length).ravel()]), shard)
-  plan = train_plan(config, totals[1:].reshape(size, size), int(totals[0]), data_parallel_size)
-  if jax.process_count() > 1:  # every process must hold the same plan, or the batch shapes differ
+  size = data.max_train_length + 1
+  totals = _sum_over_shards(np.concatenate([[table.dropped], table.histogram(data.max_train_length).ravel()]), shard)
+  batching = train_batching(data, totals[1:].reshape(size, size), int(totals[0]), data_parallel_size)
+  if jax.process_count() > 1:  # every process must hold the same batching, or the batch shapes differ
     from jax.experimental import multihost_utils
-    fingerprint = np.frombuffer(bytes.fromhex(plan.fingerprint()), np.int32)
+    fingerprint = np.frombuffer(bytes.fromhex(batching.fingerprint()), np.int32)
     if not (np.asarray(multihost_utils.process_allgather(fingerprint)) == fingerprint).all():
-      raise DataError('the processes computed different batch plans; run every process with the same config, '
+      raise DataError('the processes computed different batchings; run every process with the same config, '
                       'data and vocabulary')
-  if state is not None and (state.get('shard') != list(shard) or state.get('plan') != plan.fingerprint()):
-    raise DataError(f'the saved data-iterator state belongs to data shard {state.get("shard")} of another batch plan '
+  if state is not None and (state.get('shard') != list(shard) or state.get('plan') != batching.fingerprint()):
+    raise DataError(f'the saved data-iterator state belongs to data shard {state.get("shard")} of another batch batching '
                     f'or mesh (this process: shard {list(shard)}); rerun with --config.restore_data_state=false '
                     f'to restart the data stream')
-  return train_batches(table, plan, shard, seed, state)
+  return train_batches(table, batching, shard, seed, state)
 
 
 # --- Inspection ------------------------------------------------------------------------------
@@ -191,29 +196,29 @@ def _fill(batches) -> tuple[int, int]:
   return real, sum(b['inputs'].size + b['targets'].size for b in batches)
 
 
-def inspect(config, vocab_path: str) -> dict:
+def inspect(data: 'DataSettings', vocab_path: str) -> dict:
   """One epoch of training batches (no repeat) on one process: counts, shapes, budget, table-build and
   batch-serving throughput; then the fill of the repeated stream over as many batches."""
   start = time.perf_counter()
-  table = train_table(config, vocab_path)
+  table = train_table(data, vocab_path)
   table_seconds = time.perf_counter() - start
-  plan = train_plan(config, table.histogram(config.max_length), table.dropped)
+  batching = train_batching(data, table.histogram(data.max_train_length), table.dropped)
   start = time.perf_counter()
-  epoch = list(train_batches(table, plan, repeat=False, seed=config.seed))
+  epoch = list(train_batches(table, batching, repeat=False, seed=data.seed))
   seconds = time.perf_counter() - start
   shapes = sorted({(b['inputs'].shape[0], b['inputs'].shape[1], b['targets'].shape[1]) for b in epoch})
   tokens = [int((b['targets'] > 0).sum()) for b in epoch]
-  stream = train_batches(table, plan, seed=config.seed)
+  stream = train_batches(table, batching, seed=data.seed)
   real, padded = _fill([next(stream) for _ in epoch])
   epoch_real, epoch_padded = _fill(epoch)
   table_tokens = int(table.sources.lengths.sum() + table.targets.lengths.sum())
   return {'examples': sum(int((b['targets'] > 0).any(1).sum()) for b in epoch), 'batches': len(epoch),
-          'shapes': len(shapes), 'shape_list': shapes, 'boundaries': list(plan.boundaries),
+          'shapes': len(shapes), 'shape_list': shapes, 'boundaries': list(batching.boundaries),
           'tokens_per_batch': {'min': min(tokens), 'median': float(np.median(tokens)), 'max': max(tokens),
-                               'budget': config.tokens_per_batch},
+                               'budget': data.tokens_per_batch},
           'non_padding_fraction': round(real / padded, 4),
           'epoch_non_padding_fraction': round(epoch_real / epoch_padded, 4),
-          'dropped_too_long': plan.dropped,
+          'dropped_too_long': batching.dropped,
           'table_tokens_per_second': round(table_tokens / table_seconds, 1),
           'tokens_per_second': round(sum(tokens) / seconds, 1)}
 
@@ -221,12 +226,12 @@ def inspect(config, vocab_path: str) -> dict:
 def main(argv):
   del argv
   from absl import flags
-  from flax_transformer import tokenizer
+  from flax_transformer import settings, tokenizer
   from flax_transformer.commands import config_flag
   try:
-    config = config_flag(flags.FLAGS)
-    _, vocab_path = tokenizer.train_or_load(config, flags.FLAGS.workdir, lambda: python_pairs(config))
-    print(json.dumps(inspect(config, vocab_path)))
+    data = settings.resolve(config_flag(flags.FLAGS)).data
+    _, vocab_path = tokenizer.train_or_load(data, flags.FLAGS.workdir, lambda: python_pairs(data))
+    print(json.dumps(inspect(data, vocab_path)))
   except UserError as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(1)

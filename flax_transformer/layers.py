@@ -41,11 +41,11 @@ def projection_init(batch_axes: tuple[int, ...] = ()):
       out_axis=(ndim_out_start, ndim_out_start + 1), batch_axis=batch_axes)
 
 
-def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
-  """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same). Returns [max_len, d_model]."""
-  position = np.arange(max_len)[:, None]  # [max_len, 1]
+def sinusoidal_positions(max_positions: int, d_model: int) -> np.ndarray:
+  """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same). Returns [max_positions, d_model]."""
+  position = np.arange(max_positions)[:, None]  # [max_positions, 1]
   div_term = np.power(10000.0, np.arange(0, d_model, 2) / d_model)  # [d_model/2]
-  table = np.zeros((max_len, d_model), dtype=np.float32)  # [max_len, d_model]
+  table = np.zeros((max_positions, d_model), dtype=np.float32)  # [max_positions, d_model]
   table[:, 0::2] = np.sin(position / div_term)
   table[:, 1::2] = np.cos(position / div_term)
   return table
@@ -91,7 +91,7 @@ class OutputProjection(nn.Module):
 
 class PositionalEncoding(nn.Module):
   """§3.5: adds sinusoidal (default) or learned (Table 3 row E) positions to [b, l, e] embeddings."""
-  max_len: int
+  max_positions: int
   d_model: int
   learned: bool = False
 
@@ -102,9 +102,9 @@ class PositionalEncoding(nn.Module):
     if self.learned:
       table = self.param('position_embedding',
                          nn.with_logical_partitioning(nn.initializers.normal(self.d_model**-0.5), (None, 'embed')),
-                         (self.max_len, self.d_model), jnp.float32)
+                         (self.max_positions, self.d_model), jnp.float32)
     else:
-      table = jnp.asarray(sinusoidal_positions(self.max_len, self.d_model))  # [max_len, e]
+      table = jnp.asarray(sinusoidal_positions(self.max_positions, self.d_model))  # [max_positions, e]
     positions = jax.lax.dynamic_slice_in_dim(table, offset, length, axis=0)  # [l, e]
     return x + positions[None].astype(x.dtype)  # [b, l, e]
 
@@ -146,20 +146,20 @@ def _fmix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def dropout_keep_mask(rng: jax.Array, rate: float, shape: tuple[int, ...], method: str = 'hash') -> jax.Array:
+def dropout_keep_mask(rng: jax.Array, rate: float, shape: tuple[int, ...], dropout_masks: str = 'hash') -> jax.Array:
   """Boolean [shape] mask that keeps each element with probability 1 - rate.
 
-  method 'random': jax.random.bernoulli (the key's own generator: rbg/threefry bits per element).
-  method 'hash': one 32-bit seed is drawn from `rng`; element i keeps iff fmix32(fmix32(i ^ seed) + seed)
+  dropout_masks 'random': jax.random.bernoulli (the key's own generator: rbg/threefry bits per element).
+  dropout_masks 'hash': one 32-bit seed is drawn from `rng`; element i keeps iff fmix32(fmix32(i ^ seed) + seed)
   >= rate·2³². This is a counter-based generator in the style of Philox/Threefry but with 2 cheap rounds:
   it is an elementwise function of the index, so XLA fuses it into the op that applies the mask (no
   [shape] array of random bits is materialised), and under SPMD each device hashes its own global
   indices, so sharded masks equal single-device masks. Its speed: docs/performance.md (tools/ablation.py).
   """
-  if method == 'random':
+  if dropout_masks == 'random':
     return jax.random.bernoulli(rng, 1.0 - rate, shape)
-  if method != 'hash':
-    raise ValueError(f'unknown dropout mask method {method!r}')
+  if dropout_masks != 'hash':
+    raise ValueError(f'unknown dropout_masks {dropout_masks!r}')
   seed = jax.random.bits(rng, (), jnp.uint32)
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
@@ -174,13 +174,13 @@ def dropout_keep_mask(rng: jax.Array, rate: float, shape: tuple[int, ...], metho
 class Dropout(nn.Module):
   """Inverted dropout (§5.4) drawing its mask with `dropout_keep_mask` from the 'dropout' rng stream."""
   rate: float
-  method: str = 'hash'
+  dropout_masks: str = 'hash'  # See dropout_keep_mask.
 
   @nn.compact
   def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
     if deterministic or self.rate == 0.0:
       return x
-    keep = dropout_keep_mask(self.make_rng('dropout'), self.rate, x.shape, self.method)
+    keep = dropout_keep_mask(self.make_rng('dropout'), self.rate, x.shape, self.dropout_masks)
     return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
 
 
@@ -194,7 +194,7 @@ CACHED_SELF = ('bhd,bhdk->bhk', 'bhk,bhkd->bhd')  # query [b·n, h, d]
 CACHED_CROSS = ('bnhd,bhds->bhns', 'bhns,bhsd->bhnd')  # query [b, n, h, d]
 
 
-def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_method='hash',
+def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_masks='hash',
                                  layout=FULL_SEQUENCE):
   """§3.2.1: softmax(QKᵀ/√d + bias) V, written out once for training, scoring and both decoding caches: the
   reference for `library_attention`, and the path that returns the weights (attention pictures, alignments)
@@ -212,13 +212,13 @@ def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, drop
   logits = float32_accumulating_einsum(logits_spec, query, key, query.dtype) * scale  # [b, h, q, k]
   weights = jax.nn.softmax(logits + bias, axis=-1)  # [b, h, q, k]
   if dropout_rate > 0.0 and dropout_rng is not None:
-    keep = dropout_keep_mask(dropout_rng, dropout_rate, weights.shape, dropout_method)
+    keep = dropout_keep_mask(dropout_rng, dropout_rate, weights.shape, dropout_masks)
     weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   context = jnp.einsum(context_spec, weights.astype(value.dtype), value)  # [b, q, h, d]
   return context, weights
 
 
-def library_attention(query, key, value, lengths, causal: bool, implementation: str = 'xla'):
+def library_attention(query, key, value, lengths, causal: bool, attention: str = 'xla'):
   """The same attention through `jax.nn.dot_product_attention`: XLA's fused graph, or cuDNN's fused kernel
   (flash attention) on GPUs in bf16. Padding is given as per-row key counts (`key_lengths`), the form
   cuDNN takes without materialising a mask; `causal` hides future positions.
@@ -229,7 +229,7 @@ def library_attention(query, key, value, lengths, causal: bool, implementation: 
     context [b, q, h, d].
   """
   return jax.nn.dot_product_attention(query, key, value, is_causal=causal, key_value_seq_lengths=lengths,
-                                      implementation=implementation)
+                                      implementation=attention)
 
 
 def without_key_bias(bias, parts: str):
@@ -292,12 +292,12 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'attention_weights', weights)  # [b, h, q, k]
     return self._output(context)
 
-  def init_cache(self, batch_size: int, max_len: int, memory: jax.Array | None = None) -> dict:
+  def init_cache(self, batch_size: int, max_output_length: int, memory: jax.Array | None = None) -> dict:
     """The decoding cache (CACHED_SELF: zeros for batch_size hypotheses; CACHED_CROSS: memory [b, s, e] projected)."""
     h, d = self.num_heads, self.d_model // self.num_heads
     if self.self_attention:
-      return {'key': jnp.zeros((batch_size, h, d, max_len), self.dtype),
-              'value': jnp.zeros((batch_size, h, max_len, d), self.dtype)}
+      return {'key': jnp.zeros((batch_size, h, d, max_output_length), self.dtype),
+              'value': jnp.zeros((batch_size, h, max_output_length, d), self.dtype)}
     key, value = self._project(memory, 'kv')  # each [b, s, h, d]
     return {'key': jnp.transpose(key, (0, 2, 3, 1)), 'value': jnp.transpose(value, (0, 2, 1, 3))}
 

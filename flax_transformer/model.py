@@ -30,12 +30,12 @@ class TransformerConfig:
   num_decoder_layers: int = 6
   dropout_rate: float = 0.1  # §5.4 P_drop, on sub-layer outputs and embedding + position sums.
   attention_dropout_rate: float = 0.0  # The paper has none; tensor2tensor later added it.
-  dropout_masks: str = 'auto'  # 'hash' (fused counter-based masks), 'random' (jax.random.bernoulli), 'auto'.
-  attention: str = 'auto'  # 'xla' or 'cudnn' (jax.nn.dot_product_attention), 'explicit' (layers.py), 'auto'.
+  dropout_masks: str = 'hash'  # 'hash' (fused counter-based masks) or 'random' (jax.random.bernoulli).
+  attention: str = 'xla'  # 'xla' or 'cudnn' (jax.nn.dot_product_attention), 'explicit' (layers.py).
   pre_norm: bool = False  # False: Post-LN, LayerNorm(x + Dropout(Sublayer(x))) as in §3.1.
   learned_positions: bool = False  # Table 3 row E.
   share_embeddings: bool = True  # §3.4: one matrix for source, target and pre-softmax.
-  max_len: int = 1024  # Rows of the position table: longest source or output handled.
+  max_positions: int = 1024  # Rows of the position table: longest source or output handled.
   dtype: str = 'float32'  # Compute dtype; parameters stay float32.
   layer_norm_epsilon: float = 1e-6
   scan_unroll: int = 1  # Layers per scan iteration: 1 compiles fastest; N (all) runs fastest on CPU.
@@ -45,7 +45,7 @@ class TransformerConfig:
       raise ConfigError(f'config.model.{field}={getattr(self, field)!r}: {why}')
     if self.vocab_size < 4:
       fail('vocab_size', 'needs at least 4 ids (pad, eos, unk and one more)')
-    for field in ('d_model', 'num_heads', 'd_ff', 'max_len', 'num_encoder_layers', 'num_decoder_layers', 'scan_unroll'):
+    for field in ('d_model', 'num_heads', 'd_ff', 'max_positions', 'num_encoder_layers', 'num_decoder_layers', 'scan_unroll'):
       if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
         fail(field, 'must be a positive integer')
     if self.d_model % self.num_heads:
@@ -57,14 +57,9 @@ class TransformerConfig:
         fail(field, 'must be in [0, 1)')
     if self.dtype not in _DTYPES:
       fail('dtype', f'unknown value; use one of {sorted(_DTYPES)}')
-    # 'auto' resolves here, once, for the platform JAX runs on (see platforms.py).
     for field, choices in (('dropout_masks', platforms.DROPOUT_MASKS), ('attention', platforms.ATTENTION)):
-      if getattr(self, field) not in choices + ('auto',):
-        fail(field, f"unknown value; use one of {', '.join(choices + ('auto',))}")
-    if self.dropout_masks == 'auto':
-      object.__setattr__(self, 'dropout_masks', platforms.dropout_masks())
-    if self.attention == 'auto':
-      object.__setattr__(self, 'attention', platforms.attention(self.dtype, self.d_model // self.num_heads))
+      if getattr(self, field) not in choices:  # 'auto' is made by settings.model_settings for a platform
+        fail(field, f"unknown value; use one of {', '.join(choices)} (a run config's 'auto' is resolved by settings.py)")
     for field in ('pre_norm', 'learned_positions', 'share_embeddings'):
       if not isinstance(getattr(self, field), bool):
         fail(field, 'must be True or False')
@@ -72,16 +67,6 @@ class TransformerConfig:
   @property
   def compute_dtype(self):
     return _DTYPES[self.dtype]
-
-  @classmethod
-  def from_config(cls, config) -> 'TransformerConfig':
-    """Builds the architecture from a run config's `config.model` (ml_collections.ConfigDict)."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = dict(config.model)
-    unknown = sorted(set(values) - fields)
-    if unknown:
-      raise ConfigError(f'config.model.{unknown[0]}: unknown field; known fields are {sorted(fields)}')
-    return cls(**values)
 
 
 class SublayerConnection(nn.Module):
@@ -141,10 +126,10 @@ class DecoderLayer(nn.Module):
         y, lambda z: self.cross_attention(z, memory_lengths, memory, deterministic=deterministic), deterministic)
     return self.feed_forward_sublayer(y, self.feed_forward, deterministic), None
 
-  def init_cache(self, memory, batch_size, max_len):
+  def init_cache(self, memory, batch_size, max_output_length):
     """memory [b, s, e] -> this layer's cache (layout: Transformer.init_cache)."""
-    return {'self': self.self_attention.init_cache(batch_size, max_len),
-            'cross': self.cross_attention.init_cache(batch_size, max_len, memory)}
+    return {'self': self.self_attention.init_cache(batch_size, max_output_length),
+            'cross': self.cross_attention.init_cache(batch_size, max_output_length, memory)}
 
   def decode_step(self, y, cache, step, memory_bias):
     """y [b·n, 1, e] -> ([b·n, 1, e], updated cache)."""
@@ -163,14 +148,14 @@ class DecoderLayer(nn.Module):
     return self.feed_forward_sublayer(y, self.feed_forward, True), new_cache
 
 
-def _scanned(layer, config, in_axes, length):
+def _scanned(layer, model_config, in_axes, length):
   """`layer` run `length` times by nn.scan over parameters stacked on a leading 'layers' axis.
 
   XLA compiles one layer body instead of N copies (compile time grows superlinearly with N on CPU).
   """
   return nn.scan(layer, variable_axes={'params': 0, 'intermediates': 0}, split_rngs={'params': True, 'dropout': True},
                  in_axes=in_axes, length=length, metadata_params={nn.PARTITION_NAME: 'layers'},
-                 unroll=config.scan_unroll)
+                 unroll=model_config.scan_unroll)
 
 
 def _layer_slice(index, variables):
@@ -201,9 +186,9 @@ class DecoderStack(nn.Module):
     """Teacher-forced: y [b, t, e], memory [b, s, e], memory_lengths [b] -> [b, t, e]."""
     return self.stack(y, memory, memory_lengths, deterministic)[0]
 
-  def init_cache(self, memory, batch_size, max_len):
+  def init_cache(self, memory, batch_size, max_output_length):
     """memory [b, s, e] -> one cache per layer (layout: Transformer.init_cache)."""
-    return tuple(layer.init_cache(memory, batch_size, max_len) for layer in self.layers)
+    return tuple(layer.init_cache(memory, batch_size, max_output_length) for layer in self.layers)
 
   def decode_step(self, y, caches, step, memory_bias):
     """y [b·n, 1, e], caches from init_cache -> ([b·n, 1, e], updated caches)."""
@@ -228,9 +213,9 @@ class Transformer(nn.Module):
       self.source_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype)
       self.target_embedding = layers.Embeddings(c.vocab_size, c.d_model, dtype)
       self.output_projection = layers.OutputProjection(c.vocab_size, c.d_model, dtype)
-    self.source_positions = layers.PositionalEncoding(c.max_len, c.d_model, c.learned_positions)
+    self.source_positions = layers.PositionalEncoding(c.max_positions, c.d_model, c.learned_positions)
     self.target_positions = (self.source_positions if not c.learned_positions
-                             else layers.PositionalEncoding(c.max_len, c.d_model, True))
+                             else layers.PositionalEncoding(c.max_positions, c.d_model, True))
     self.embedding_dropout = layers.Dropout(c.dropout_rate, c.dropout_masks)
     self.encoder = _scanned(EncoderLayer, c, (nn.broadcast, nn.broadcast), c.num_encoder_layers)(c, name='encoder')
     self.decoder = DecoderStack(c)
@@ -290,16 +275,16 @@ class Transformer(nn.Module):
 
   # --- Incremental decoding ------------------------------------------------------------
 
-  def init_cache(self, encoded: jax.Array, beam_size: int, max_len: int) -> dict:
-    """The decoding cache for `max_len` steps of `beam_size` hypotheses per sentence.
+  def init_cache(self, encoded: jax.Array, beam_size: int, max_output_length: int) -> dict:
+    """The decoding cache for `max_output_length` steps of `beam_size` hypotheses per sentence.
 
     encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
     Returns {'step': int32 scalar, 'layers': one dict per decoder layer, each {'self': {'key' [b·n, h, d,
-    max_len], 'value' [b·n, h, max_len, d]}, 'cross': {'key' [b, h, d, s], 'value' [b, h, s, d]}}}:
+    max_output_length], 'value' [b·n, h, max_output_length, d]}, 'cross': {'key' [b, h, d, s], 'value' [b, h, s, d]}}}:
     keys with d before positions so each step's products are matrix-vector products without transposes.
     Separate per-layer buffers (not one stacked array) let each step update them in place.
     """
-    layer_caches = self.decoder.init_cache(encoded, encoded.shape[0] * beam_size, max_len)
+    layer_caches = self.decoder.init_cache(encoded, encoded.shape[0] * beam_size, max_output_length)
     return {'step': jnp.zeros((), jnp.int32), 'layers': layer_caches}
 
   @staticmethod

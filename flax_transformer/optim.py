@@ -1,12 +1,17 @@
 """§5.3 Optimizer: Adam(β1 0.9, β2 0.98, ε 1e-9) with the warmup + inverse-square-root schedule.
 
-Optional, not in the paper: `config.lr_decay='constant'` holds the warmup's peak instead of decaying it as
-step^-0.5, and `config.cooldown_steps` > 0 multiplies the schedule by a linear ramp from 1 to 0 over the last
+Optional, not in the paper: `lr_decay='constant'` holds the warmup's peak instead of decaying it as
+step^-0.5, and `cooldown_steps` > 0 multiplies the schedule by a linear ramp from 1 to 0 over the last
 `cooldown_steps` of `num_train_steps`; together, warmup-hold-cooldown, for runs whose length is fixed in advance.
 """
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import optax
+
+if TYPE_CHECKING:
+  from flax_transformer.settings import OptimizerSettings
 
 
 LR_DECAYS = ('inverse_sqrt', 'constant')
@@ -28,25 +33,25 @@ def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, 
   return schedule
 
 
-def learning_rate(config, d_model: int) -> optax.Schedule:
-  """The run config's learning rate, indexed by optax's update count (from 0)."""
-  paper_schedule = inverse_sqrt_schedule(d_model, config.warmup_steps, config.learning_rate_factor,
-                                         config.get('lr_decay', 'inverse_sqrt'))
+def learning_rate(settings: 'OptimizerSettings', d_model: int) -> optax.Schedule:
+  """The run's learning rate for a model of width `d_model`, indexed by optax's update count (from 0)."""
+  paper_schedule = inverse_sqrt_schedule(d_model, settings.warmup_steps, settings.learning_rate_factor,
+                                         settings.lr_decay)
   paper = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
   schedule = paper
-  if config.cooldown_steps > 0:
+  if settings.cooldown_steps > 0:
     # 1 until update num_train_steps - cooldown_steps, then linearly to 0 at num_train_steps (the last
     # update, number num_train_steps - 1, gets 1/cooldown_steps of the paper's rate).
-    ramp = optax.linear_schedule(1.0, 0.0, config.cooldown_steps, config.num_train_steps - config.cooldown_steps)
+    ramp = optax.linear_schedule(1.0, 0.0, settings.cooldown_steps, settings.num_train_steps - settings.cooldown_steps)
     schedule = lambda count: paper(count) * ramp(count)
   return schedule
 
 
-def create_optimizer(config, d_model: int) -> optax.GradientTransformation:
-  """The run config's optimizer: Adam on `learning_rate`, optional clipping, non-finite updates skipped."""
-  tx = optax.adam(learning_rate(config, d_model), b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
-  if config.grad_clip_norm > 0:
-    tx = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), tx)
-  if config.get('max_skipped_steps', 0) > 0:  # a non-finite gradient skips its update (the loop counts them)
-    tx = optax.apply_if_finite(tx, max_consecutive_errors=config.max_skipped_steps)
+def create_optimizer(settings: 'OptimizerSettings', d_model: int) -> optax.GradientTransformation:
+  """The run's optimizer: Adam on `learning_rate`, optional clipping, non-finite updates skipped."""
+  tx = optax.adam(learning_rate(settings, d_model), b1=settings.adam_b1, b2=settings.adam_b2, eps=settings.adam_eps)
+  if settings.grad_clip_norm > 0:
+    tx = optax.chain(optax.clip_by_global_norm(settings.grad_clip_norm), tx)
+  if settings.max_skipped_steps > 0:  # a non-finite gradient skips its update (the loop counts them)
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=settings.max_skipped_steps)
   return tx

@@ -10,12 +10,16 @@ tfds dataset) is a one-line `DataError` naming the fix.
 import gzip
 import itertools
 import os
+from typing import TYPE_CHECKING
 import zlib
 
 import tensorflow as tf
 
 from flax_transformer import storage
 from flax_transformer.errors import UserError
+
+if TYPE_CHECKING:
+  from flax_transformer.settings import DataSettings
 
 
 class DataError(UserError):
@@ -107,9 +111,9 @@ def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], 
   return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _split_paths(config, split: str) -> tuple[str, str]:
+def _split_paths(data: 'DataSettings', split: str) -> tuple[str, str]:
   """The split's (source, target) files; a missing one is a one-line error naming its config field."""
-  paths = {f'{split}_{side}': config[f'{split}_{side}'] for side in ('source', 'target')}
+  paths = {f'{split}_{side}': getattr(data, f'{split}_{side}') for side in ('source', 'target')}
   for field, path in paths.items():
     if path and not storage.path(path).exists():
       raise DataError(f'config.{field}={path} does not exist; set the path (--config.{field}=PATH); for '
@@ -118,52 +122,52 @@ def _split_paths(config, split: str) -> tuple[str, str]:
   return tuple(paths.values())
 
 
-def _tfds_builder(config):
+def _tfds_builder(data: 'DataSettings'):
   import tensorflow_datasets as tfds
-  data_dir = config.data_dir or os.environ.get('TFDS_DATA_DIR') or None
+  data_dir = data.data_dir or os.environ.get('TFDS_DATA_DIR') or None
   try:
-    builder = tfds.builder(config.dataset, data_dir=data_dir)
+    builder = tfds.builder(data.dataset, data_dir=data_dir)
   except Exception as error:  # tfds raises several types for unknown names / configs
-    raise DataError(f'config.dataset={config.dataset!r} is not a tfds dataset ({type(error).__name__}); '
+    raise DataError(f'config.dataset={data.dataset!r} is not a tfds dataset ({type(error).__name__}); '
                     f"use e.g. 'wmt14_translate/de-en' or 'files'") from None
   return builder
 
 
-def _not_prepared(config, builder) -> DataError:
-  return DataError(f'tfds dataset {config.dataset} is not prepared in {builder.data_dir} and this run will not '
-                   f'download it; on a machine with internet run `tfds build {config.dataset} '
+def _not_prepared(data: 'DataSettings', builder) -> DataError:
+  return DataError(f'tfds dataset {data.dataset} is not prepared in {builder.data_dir} and this run will not '
+                   f'download it; on a machine with internet run `tfds build {data.dataset} '
                    f'--data_dir=DIR`, then set TFDS_DATA_DIR=DIR or --config.data_dir=DIR')
 
 
-def _tfds_split(config, split: str) -> str:
-  return {'train': config.train_split, 'eval': config.eval_split, 'test': config.test_split}[split]
+def _tfds_split(data: 'DataSettings', split: str) -> str:
+  return {'train': data.train_split, 'eval': data.eval_split, 'test': data.test_split}[split]
 
 
-def text_pairs(config, split: str, shard: tuple[int, int] = (0, 1)):
+def text_pairs(data: 'DataSettings', split: str, shard: tuple[int, int] = (0, 1)):
   """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file order.
 
   shard = (index, count): this process's 1/count of the split, disjoint from the other shards and together
   covering it. Text files: every count-th line pair from the index-th, streamed (other lines skipped as they
   are read). tfds: the index-th of `count` even sub-splits (tfds.even_splits), the only examples decoded.
   """
-  if config.dataset == 'files':
-    yield from parallel_lines(*_split_paths(config, split), shard)
+  if data.dataset == 'files':
+    yield from parallel_lines(*_split_paths(data, split), shard)
     return
   import tensorflow_datasets as tfds
-  builder = _tfds_builder(config)
+  builder = _tfds_builder(data)
   index, count = shard
-  name = _tfds_split(config, split)
+  name = _tfds_split(data, split)
   try:
     dataset = builder.as_dataset(split=tfds.even_splits(name, n=count)[index] if count > 1 else name,
                                  shuffle_files=False)
   except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
-    raise _not_prepared(config, builder) from None
-  source_lang, target_lang = config.source_lang, config.target_lang
+    raise _not_prepared(data, builder) from None
+  source_lang, target_lang = data.source_lang, data.target_lang
   for example in dataset.map(lambda ex: (ex[source_lang], ex[target_lang])).as_numpy_iterator():
     yield example
 
 
-def python_pairs(config, split: str = 'train'):
+def python_pairs(data: 'DataSettings', split: str = 'train'):
   """Iterator of (source, target) Python strings, e.g. to train the vocabulary."""
-  for source, target in text_pairs(config, split):
+  for source, target in text_pairs(data, split):
     yield source.decode('utf-8'), target.decode('utf-8')

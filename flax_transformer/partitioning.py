@@ -1,4 +1,4 @@
-"""Device mesh, the logical-axis rules table, sharded train-state creation and the one `jax.jit`.
+"""Device mesh, the logical-axis rules table, shardings and the one `jax.jit` of the train and eval steps.
 
 Parameters are annotated with logical axis names in layers.py; this table alone decides how
 they, the Adam moments and the activations are split over the mesh axes:
@@ -17,11 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from flax.training import train_state
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from flax_transformer import optim
 from flax_transformer.errors import ConfigError
 from flax_transformer.model import Transformer, TransformerConfig
 
@@ -44,10 +42,6 @@ LOGICAL_AXIS_RULES = (
     ('norm', None),
     ('layers', None),  # the stacked-layer axis of nn.scan
 )
-
-
-class TrainState(train_state.TrainState):
-  """Step, parameters and optimizer state. The step is an array, so incrementing it never recompiles."""
 
 
 def create_mesh(mesh_shape: Sequence[int], devices=None) -> Mesh:
@@ -156,42 +150,6 @@ def logical_to_shardings(boxed_tree, mesh: Mesh):
   """A tree of nn.LogicallyPartitioned (or abstract) leaves -> the matching NamedSharding tree."""
   specs = nn.get_partition_spec(boxed_tree)
   return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
-
-
-def _state_initializer(config, model_config: TransformerConfig):
-  model = Transformer(model_config)
-  tx = optim.create_optimizer(config, model_config.d_model)
-
-  def init(rng):
-    dummy = jnp.ones((1, 1), jnp.int32)
-    params = model.init(rng, dummy, dummy)['params']
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-  return init
-
-
-def create_train_state(config, model_config: TransformerConfig, mesh: Mesh, rng: jax.Array):
-  """Initialises the train state directly in its sharded layout (nothing is built on one device first).
-
-  Returns (state, state_shardings).
-  """
-  check_model_fits_mesh(model_config, mesh)
-  init = _state_initializer(config, model_config)
-  shardings = logical_to_shardings(jax.eval_shape(init, rng), mesh)
-  with mesh_context(mesh):
-    state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
-  return state, shardings
-
-
-def abstract_train_state(config, model_config: TransformerConfig, mesh: Mesh):
-  """The train state as jax.ShapeDtypeStructs carrying their shardings: for ahead-of-time compilation
-  (plan.py), nothing is allocated. Returns (abstract state, state_shardings)."""
-  check_model_fits_mesh(model_config, mesh)
-  boxed = jax.eval_shape(_state_initializer(config, model_config), jax.random.key(0))
-  shardings = logical_to_shardings(boxed, mesh)
-  abstract = jax.tree_util.tree_map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                                                                sharding=sharding),
-                                    nn.meta.unbox(boxed), shardings)
-  return abstract, shardings
 
 
 def abstract_params(model_config: TransformerConfig):

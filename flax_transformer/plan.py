@@ -5,7 +5,7 @@ what each device holds, how many FLOPs a step is, and, given a peak and an MFU, 
       --peak_tflops=989 --mfu=0.4 --device_memory_gb=80
 
 The step is compiled by XLA:CPU over `--devices` fake CPU devices, for the config's longest batch shape
-(config.max_length on both sides, as many rows as config.tokens_per_batch holds): parameter and optimizer
+(config.max_train_length on both sides, as many rows as config.tokens_per_batch holds): parameter and optimizer
 bytes follow exactly from the shardings; temporaries are XLA:CPU's buffer assignment for the same
 program (a GPU or TPU compiler fuses differently, so treat them as an estimate); FLOPs are XLA's
 cost_analysis() beside the analytic count (6 · parameters · tokens plus attention). Where the step does
@@ -44,9 +44,8 @@ import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from flax_transformer import partitioning, platforms, steps  # noqa: E402
+from flax_transformer import partitioning, platforms, settings, steps, train_state  # noqa: E402
 from flax_transformer.errors import ConfigError  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
 
@@ -72,12 +71,12 @@ def analytic_flops(model_config: TransformerConfig, rows: int, source_length: in
 
 def longest_batch_shape(config, dp: int) -> tuple[int, int, int]:
   """(rows, source length, target length) of the config's longest batch: its most memory-hungry step."""
-  length = config.max_length
+  length = config.max_train_length
   multiple = dp * config.gradient_accumulation_steps
   rows = config.tokens_per_batch // length // multiple * multiple
   if rows < multiple:
     raise ConfigError(f'config.tokens_per_batch={config.tokens_per_batch} cannot hold {multiple} sentences of '
-                      f'{length} tokens; raise it or lower config.max_length')
+                      f'{length} tokens; raise it or lower config.max_train_length')
   return rows, length, length
 
 
@@ -90,33 +89,33 @@ def _bytes_per_device(abstract_tree) -> int:
 
 
 def for_target(config, target: str):
-  """The config with its 'auto' choices made for the `target` platform ('cuDNN' attention compiles only on a
-  GPU, so XLA's attention stands in for it)."""
+  """The config with the choices settings.py makes for the `target` platform written in (so compiling here,
+  on another platform, keeps them); cuDNN attention compiles only on a GPU, so XLA's stands in for it."""
+  chosen = settings.resolve(config, target)
   config = config.copy_and_resolve_references()
   with config.unlocked():
-    if config.model.get('dropout_masks', 'auto') == 'auto':
-      config.model.dropout_masks = platforms.dropout_masks(target)
-    if config.model.get('attention', 'auto') in ('auto', 'cudnn'):
-      config.model.attention = 'xla'
-    config.output_loss = 'fused' if platforms.fused_output_loss(config.get('output_loss', 'auto'), target) else 'optax'
+    config.model.dropout_masks = chosen.model.dropout_masks
+    config.model.attention = 'xla' if chosen.model.attention == 'cudnn' else chosen.model.attention
+    config.output_loss = 'fused' if chosen.loop.fused_output_loss else 'optax'
+    config.beam_top_k = chosen.decode.beam_top_k
   return config
 
 
 def _compiled_step(config, mesh):
   """The train step for the config's longest batch, compiled for `mesh`; returns (compiled, abstract state, batch shape)."""
-  model_config = TransformerConfig.from_config(config)
+  run = settings.resolve(config)
   rows, source_length, target_length = longest_batch_shape(config, partitioning.data_parallel_size(mesh))
-  state, shardings = partitioning.abstract_train_state(config, model_config, mesh)
+  state, shardings = train_state.abstract_train_state(run.model, run.optimizer, mesh)
   step = partitioning.jit_train_step(
-      functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
-                        gradient_accumulation_steps=config.gradient_accumulation_steps,
-                        fused_output_loss=platforms.fused_output_loss(config.output_loss)),
+      functools.partial(steps.train_step, model_config=run.model, label_smoothing=run.loop.label_smoothing,
+                        gradient_accumulation_steps=run.loop.gradient_accumulation_steps,
+                        fused_output_loss=run.loop.fused_output_loss),
       mesh, shardings)
   batch_sharding = partitioning.batch_sharding(mesh)
   batch = {'inputs': jax.ShapeDtypeStruct((rows, source_length), jnp.int32, sharding=batch_sharding),
            'targets': jax.ShapeDtypeStruct((rows, target_length), jnp.int32, sharding=batch_sharding)}
   with partitioning.mesh_context(mesh):
-    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=config.dropout_rng_impl)).compile()
+    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=run.loop.dropout_rng_impl)).compile()
   return compiled, state, (rows, source_length, target_length)
 
 
@@ -138,7 +137,7 @@ def compile_step(config, mesh_shape) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   devices = mesh.devices.size
-  model_config = TransformerConfig.from_config(config)
+  model_config = settings.model_settings(config)
   return {
       'mesh': dict(mesh.shape), 'devices': devices, 'rows': rows, 'source_length': source_length,
       'target_length': target_length, 'tokens_per_step': rows * (source_length + target_length),

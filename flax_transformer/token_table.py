@@ -1,6 +1,6 @@
 """The pipeline's second stage: sentence pairs -> SentencePiece ids in an in-memory token table.
 
-Tokenised with tf.data in batches, each batch filtered (pairs too long for `config.max_length` dropped
+Tokenised with tf.data in batches, each batch filtered (pairs too long for `config.max_train_length` dropped
 and counted, or cut with `truncate`) and narrowed to uint16 where the vocabulary allows, so a table costs
 its final size while it is built. Training builds one table per data shard (`train_table`); evaluation
 reads the whole split on every process and pads it into fixed batches in file order (`eval_batches`).
@@ -8,6 +8,7 @@ reads the whole split on every process and pads it into fixed batches in file or
 
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
@@ -16,6 +17,9 @@ from flax_transformer import bucketing, storage
 from flax_transformer.constants import PAD_ID
 from flax_transformer.parallel_text import DataError, text_pairs
 from flax_transformer.errors import UserError
+
+if TYPE_CHECKING:
+  from flax_transformer.settings import DataSettings
 
 
 def tokenize(pairs, vocab_path: str, batch_size: int = 1024):
@@ -107,29 +111,29 @@ def token_table(pairs, vocab_path: str, max_length: int, truncate: bool = False)
   return table
 
 
-def train_table(config, vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
+def train_table(data: 'DataSettings', vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
   """One shard of the training split, tokenised; a shard with no usable pair is a one-line error."""
-  table = token_table(text_pairs(config, 'train', shard), vocab_path, config.max_length)
+  table = token_table(text_pairs(data, 'train', shard), vocab_path, data.max_train_length)
   if not len(table):
     raise DataError(f'training data shard {shard[0]} of {shard[1]} holds no sentence pair of at most '
-                    f'config.max_length={config.max_length} tokens ({table.dropped} longer ones dropped); '
-                    f'use a larger training split or fewer data shards, or raise config.max_length')
+                    f'config.max_train_length={data.max_train_length} tokens ({table.dropped} longer ones dropped); '
+                    f'use a larger training split or fewer data shards, or raise config.max_train_length')
   return table
 
 
-def eval_batches(config, vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
+def eval_batches(data: 'DataSettings', vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
   """Every sentence pair of `split`, in order, as global batches {'inputs': [B, S], 'targets': [B, T]}.
 
   B is fixed (a multiple of the data-parallel size); each side is padded to the bucket of its longest
-  row, the last batch with empty rows. Sentences over `config.eval_max_length` tokens are truncated
+  row, the last batch with empty rows. Sentences over `config.max_eval_length` tokens are truncated
   (keeping the EOS). Every process builds the same list.
   """
-  max_length = config.eval_max_length
-  table = token_table(text_pairs(config, split), vocab_path, max_length, truncate=True)
+  max_length = data.max_eval_length
+  table = token_table(text_pairs(data, split), vocab_path, max_length, truncate=True)
   longer = np.maximum(table.sources.lengths, table.targets.lengths)
   boundaries = bucketing.bucket_boundaries(np.bincount(longer, minlength=max_length + 1),
-                                           config.num_bucket_boundaries)
-  batch_size = max(data_parallel_size, config.eval_tokens_per_batch // max_length
+                                           data.num_bucket_boundaries)
+  batch_size = max(data_parallel_size, data.eval_tokens_per_batch // max_length
                    // data_parallel_size * data_parallel_size)
   batches = []
   for start in range(0, len(table), batch_size):

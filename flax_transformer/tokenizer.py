@@ -4,16 +4,20 @@ Reserved ids, used the same way by the model, the loss and decoding:
   0 <pad> (also the decoder's start symbol), 1 </s> (end of sentence), 2 <unk>. No BOS.
 """
 
+from collections.abc import Iterable
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import sentencepiece as spm
 
 from flax_transformer import storage
 from flax_transformer.constants import EOS_ID, PAD_ID, UNK_ID
 from flax_transformer.errors import UserError
+
+if TYPE_CHECKING:
+  from flax_transformer.settings import DataSettings
 
 VOCAB_FILENAME = 'sentencepiece.model'
 
@@ -68,22 +72,22 @@ def load(path: str, expected_vocab_size: int | None = None) -> spm.SentencePiece
   return processor
 
 
-def train_or_load(config, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProcessor, str]:
+def train_or_load(data: 'DataSettings', workdir: str, pairs_fn) -> tuple[spm.SentencePieceProcessor, str]:
   """`config.vocab_path` if set; else the workdir's model (reused on restart); else a newly trained one.
 
   `pairs_fn()` yields (source, target) training sentences; it is only called when training.
   Returns (processor, path).
   """
-  vocab_size = config.model.vocab_size
-  if config.vocab_path:
-    return load(config.vocab_path, vocab_size), config.vocab_path
+  vocab_size = data.vocab_size
+  if data.vocab_path:
+    return load(data.vocab_path, vocab_size), data.vocab_path
   path = storage.path(workdir) / VOCAB_FILENAME
   if not path.exists():
-    print(f'training a {vocab_size:,}-piece {config.vocab_type} vocabulary on a sample of up to '
-          f'{config.vocab_sample_sentences:,} sentences drawn across the training split (once per workdir)...',
+    print(f'training a {vocab_size:,}-piece {data.vocab_type} vocabulary on a sample of up to '
+          f'{data.vocab_sample_sentences:,} sentences drawn across the training split (once per workdir)...',
           flush=True)
     start = time.perf_counter()
-    train_sentencepiece(pairs_fn(), path, vocab_size, config.vocab_type, config.vocab_sample_sentences)
+    train_sentencepiece(pairs_fn(), path, vocab_size, data.vocab_type, data.vocab_sample_sentences)
     print(f'vocabulary trained in {time.perf_counter() - start:.0f} s: {path}', flush=True)
   return load(path, vocab_size), os.fspath(path)
 

@@ -12,20 +12,25 @@ import collections
 import dataclasses
 import functools
 import json
+import math
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+import sentencepiece as spm
 import tensorflow as tf
+from etils import epath
 
 from flax_transformer import (checkpointing, cluster, evaluation, finetuning, input_pipeline, optim, parallel_text,
-                              partitioning, platforms, run_lock, steps, storage, token_table, tokenizer)
-from flax_transformer.errors import ConfigError, UserError, WorkdirError
+                              partitioning, platforms, run_lock, settings, steps, storage, tensorflow_setup,
+                              token_table, tokenizer, train_state, translator, workdirs)
+from flax_transformer.errors import UserError, WorkdirError
 from flax_transformer.model import TransformerConfig
-from flax_transformer import translator
+from flax_transformer.settings import Settings
 from flax_transformer.translator import Translator
 
 METRICS_FILENAME = 'train_metrics.jsonl'
@@ -39,22 +44,6 @@ class TrainingDiverged(UserError):
 
 class CheckpointSaveFailed(UserError):
   """A checkpoint could not be written (disk full, permissions...)."""
-
-
-def check_config(config) -> None:
-  for field in ('num_train_steps', 'checkpoint_every_steps', 'eval_every_steps', 'log_every_steps',
-                'keep_checkpoints', 'gradient_accumulation_steps', 'tokens_per_batch'):
-    value = config[field]
-    if not isinstance(value, int) or value < 1:
-      raise ConfigError(f'config.{field}={value!r}: must be a positive integer')
-  if not isinstance(config.cooldown_steps, int) or not 0 <= config.cooldown_steps <= config.num_train_steps:
-    raise ConfigError(f'config.cooldown_steps={config.cooldown_steps!r}: must be an integer from 0 (no cooldown) '
-                      f'to config.num_train_steps={config.num_train_steps}')
-  if config.get('lr_decay', 'inverse_sqrt') not in optim.LR_DECAYS:
-    raise ConfigError(f'config.lr_decay={config.lr_decay!r}: must be one of {", ".join(optim.LR_DECAYS)}')
-  if config.keep_checkpoints < config.average_last:
-    raise ConfigError(f'config.keep_checkpoints={config.keep_checkpoints} is below config.average_last='
-                      f'{config.average_last}; keep at least as many checkpoints as are averaged')
 
 
 class _StopSignal:
@@ -168,24 +157,27 @@ def data_seed(seed: int, start_step: int) -> int:
 @dataclasses.dataclass
 class Run:
   """What set-up builds, for the loop to read: one training run on one mesh."""
-  config: Any
-  workdir: Any  # epath.Path: a local directory or a storage URL
+  settings: Settings
+  workdir: epath.Path  # a local directory or a storage URL
   is_chief: bool
-  model_config: TransformerConfig
-  mesh: Any
-  processor: Any
+  mesh: jax.sharding.Mesh
+  processor: spm.SentencePieceProcessor
   vocab_path: str
-  state: Any
-  state_shardings: Any
-  manager: Any
+  state: train_state.TrainState
+  state_shardings: train_state.TrainState  # a NamedSharding per leaf
+  manager: ocp.CheckpointManager
   start_step: int
-  train_iter: Any
-  train_step: Any
-  eval_step: Any
-  learning_rate: Any  # optax schedule, by update count
-  dropout_rng: Any
+  train_iter: input_pipeline.TrainBatches
+  train_step: Callable  # partitioning.jit_train_step's
+  eval_step: Callable  # partitioning.jit_eval_step's
+  learning_rate: Callable[[int], float]  # optax schedule, by update count
+  dropout_rng: jax.Array
   data_shard: partitioning.DataShard  # the rows of every batch this process feeds
   lock: run_lock.RunLock | None  # the workdir's lock (process 0)
+
+  @property
+  def model_config(self) -> TransformerConfig:
+    return self.settings.model
 
   @functools.cached_property
   def batch_sharding(self):
@@ -201,19 +193,19 @@ class Run:
             for k, v in batch.items()}
 
 
-def _vocabulary(config, workdir: str, is_chief: bool):
+def _vocabulary(data: settings.DataSettings, workdir: str, is_chief: bool):
   """Trained once by process 0 into the workdir, then read by every process: (processor, path)."""
   if is_chief:
-    tokenizer.train_or_load(config, workdir, lambda: parallel_text.python_pairs(config))
+    tokenizer.train_or_load(data, workdir, lambda: parallel_text.python_pairs(data))
   if jax.process_count() > 1:  # a coordination-service barrier: a device collective on CPU gives up after 30 s
     from orbax.checkpoint import multihost
     multihost.get_barrier_sync_fn()(key='vocabulary', timeout_ms=VOCABULARY_TIMEOUT_SECONDS * 1000)
-  return tokenizer.train_or_load(config, workdir, None)
+  return tokenizer.train_or_load(data, workdir, None)
 
 
-def _resume(config, workdir: str, state, state_shardings, manager):
+def _resume(restore_data_state: bool, workdir: str, state, state_shardings, manager):
   """The newest checkpoint that restores (state, data state), or the fresh state: (state, data state)."""
-  state, data_state, step = checkpointing.restore_latest(manager, state, state_shardings, config.restore_data_state)
+  state, data_state, step = checkpointing.restore_latest(manager, state, state_shardings, restore_data_state)
   if step is not None:
     if data_state is None:
       print(f'the data stream restarts at step {step} with a seed derived from it', flush=True)
@@ -221,21 +213,40 @@ def _resume(config, workdir: str, state, state_shardings, manager):
   return state, data_state
 
 
+def banner(s: Settings, mesh, num_params: int, num_batch_shapes: int, cluster_kind: str = 'single process') -> str:
+  """What this run is on and what it will compile, printed before the first compilation."""
+  devices = mesh.devices.flatten()
+  dp = math.prod(mesh.shape[a] for a in ('data', 'fsdp'))
+  lines = [
+      f'platform: {s.platform} ({devices[0].device_kind}), {devices.size} devices '
+      f'({jax.local_device_count()} on this process); process {jax.process_index()} of {jax.process_count()}',
+      f'cluster: {cluster_kind}',
+      f'mesh: {" x ".join(f"{name}={size}" for name, size in mesh.shape.items())}',
+      f'model: {num_params:,} parameters (float32), compute dtype {s.model.dtype}, attention '
+      f'{s.model.attention}, dropout masks {s.model.dropout_masks}, '
+      f'{"fused" if s.loop.fused_output_loss else "optax"} output loss, beam top-k {s.decode.beam_top_k}',
+      f'batch: {s.data.tokens_per_batch:,} tokens per side per step globally, {s.data.tokens_per_batch // dp:,} '
+      f'per data-parallel device, {s.data.gradient_accumulation_steps} micro-batch(es); '
+      f'{num_batch_shapes} batch shapes to compile',
+  ]
+  return '\n'.join(lines)
+
+
 def set_up(config, workdir: str, devices=None) -> Run:
-  """Checks, the workdir's lock, mesh, vocabulary, train state (resumed if the workdir has a checkpoint),
-  data and jitted steps."""
+  """The run config read once (settings.py), the cluster, checks, the workdir's lock, mesh, vocabulary,
+  train state (resumed if the workdir has a checkpoint), data and jitted steps."""
   enable_compilation_cache()
-  platforms.import_tensorflow_quietly()
-  cluster_kind = cluster.start(config).kind
-  cluster.watch_peers(config)
-  platforms.check(config.platform)
-  check_config(config)
-  model_config = TransformerConfig.from_config(config)
+  tensorflow_setup.import_quietly()
+  settings.check(config)  # every field, before any process starts
+  cluster_kind = cluster.start(settings.cluster_settings(config)).kind  # before JAX's backend is touched
+  s = settings.resolve(config)  # the 'auto' choices, for the platform JAX now runs on
+  cluster.watch_peers(s.cluster)
+  platforms.check(s.loop.platform)
   is_chief, workdir = jax.process_index() == 0, storage.path(workdir)
-  checkpointing.check_workdir(workdir, config)
-  origin = finetuning.source(config, model_config)
-  mesh = partitioning.create_mesh(config.mesh_shape, devices)
-  partitioning.check_model_fits_mesh(model_config, mesh)  # before the vocabulary's minute, not after
+  workdirs.check(workdir, config)
+  origin = finetuning.source(s.loop.init_from, s.model, s.data.vocab_path)
+  mesh = partitioning.create_mesh(s.loop.mesh_shape, devices)
+  partitioning.check_model_fits_mesh(s.model, mesh)  # before the vocabulary's minute, not after
   shard = partitioning.data_shard(mesh.devices)
   lock, lock_error = None, None
   if is_chief:  # before anything is written to the workdir
@@ -245,46 +256,44 @@ def set_up(config, workdir: str, devices=None) -> Run:
       lock_error = error
   cluster.agree('workdir lock', lock_error)
   try:
-    return _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind, origin)
+    return _build(config, s, workdir, mesh, shard, is_chief, lock, cluster_kind, origin)
   except BaseException:
     if lock is not None:
       lock.release()
     raise
 
 
-def _build(config, workdir, devices, model_config, mesh, shard, is_chief, lock, cluster_kind, origin) -> Run:
+def _build(config, s: Settings, workdir, mesh, shard, is_chief, lock, cluster_kind, origin) -> Run:
   """set_up's part after the workdir is locked; `origin`: the run to fine-tune from (finetuning.source)."""
   if origin and is_chief:
-    finetuning.copy_vocabulary(origin, config, workdir)
-  processor, vocab_path = _vocabulary(config, workdir, is_chief)
-  if is_chief:
-    checkpointing.write_config(workdir, config)
-  init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed, impl=config.dropout_rng_impl))
-  state, state_shardings = partitioning.create_train_state(config, model_config, mesh, init_rng)
-  manager = checkpointing.create_manager(workdir, config.keep_checkpoints)
-  state, data_state = _resume(config, workdir, state, state_shardings, manager)
+    finetuning.copy_vocabulary(origin, s.data.vocab_path, workdir)
+  processor, vocab_path = _vocabulary(s.data, workdir, is_chief)
+  if is_chief:  # once the data and vocabulary are known to work: a failed start leaves no config behind
+    workdirs.write_config(workdir, config)
+  init_rng, dropout_rng = jax.random.split(jax.random.key(s.loop.seed, impl=s.loop.dropout_rng_impl))
+  state, state_shardings = train_state.create_train_state(s.model, s.optimizer, mesh, init_rng)
+  manager = checkpointing.create_manager(workdir, s.loop.keep_checkpoints)
+  state, data_state = _resume(s.loop.restore_data_state, workdir, state, state_shardings, manager)
   start_step = int(jax.device_get(state.step))
   if origin and start_step == 0:  # a fine-tuning run's first start: the source's parameters, a fresh optimizer
     state = finetuning.initial_params(origin, state, state_shardings)
     print(f'parameters from {origin.workdir} step {origin.step}; optimizer and schedule start at step 0', flush=True)
-  train_iter = input_pipeline.process_train_batches(config, vocab_path, (shard.index, shard.count),
+  train_iter = input_pipeline.process_train_batches(s.data, vocab_path, (shard.index, shard.count),
                                                     partitioning.data_parallel_size(mesh),
-                                                    data_seed(config.seed, start_step), data_state)
-  fused_output_loss = platforms.fused_output_loss(config.output_loss)
+                                                    data_seed(s.loop.seed, start_step), data_state)
   if is_chief:
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-    print(platforms.banner(config, model_config, mesh, num_params, len(train_iter.plan.used_shapes),
-                           fused_output_loss, cluster_kind), flush=True)
+    print(banner(s, mesh, num_params, len(train_iter.batching.used_shapes), cluster_kind), flush=True)
   train_step = partitioning.jit_train_step(
-      functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
-                        gradient_accumulation_steps=config.gradient_accumulation_steps,
-                        fused_output_loss=fused_output_loss), mesh, state_shardings)
+      functools.partial(steps.train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
+                        gradient_accumulation_steps=s.loop.gradient_accumulation_steps,
+                        fused_output_loss=s.loop.fused_output_loss), mesh, state_shardings)
   eval_step = partitioning.jit_eval_step(
-      functools.partial(steps.eval_step, model_config=model_config, label_smoothing=config.label_smoothing),
+      functools.partial(steps.eval_step, model_config=s.model, label_smoothing=s.loop.label_smoothing),
       mesh, state_shardings.params)
-  return Run(config, workdir, is_chief, model_config, mesh, processor, vocab_path, state, state_shardings, manager,
+  return Run(s, workdir, is_chief, mesh, processor, vocab_path, state, state_shardings, manager,
              start_step, train_iter, train_step, eval_step,
-             optim.learning_rate(config, model_config.d_model), dropout_rng, shard, lock)
+             optim.learning_rate(s.optimizer, s.model.d_model), dropout_rng, shard, lock)
 
 
 class MetricsLog:
@@ -377,32 +386,32 @@ class Evaluator:
     self.batches, self.sources, self.encoded, self.references = None, None, None, None  # built at the first evaluation
 
   def _translate(self, params, should_stop):
-    config, run = self.run.config, self.run
+    s, run = self.run.settings, self.run
     if self.sources is None:
-      pairs = list(parallel_text.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+      pairs = list(parallel_text.python_pairs(s.data, 'eval'))[:s.loop.num_eval_bleu_sentences]
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
       self.encoded = translator.encode_sentences(run.processor, self.sources)
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
-    model = Translator(params, run.model_config, run.processor, beam_size=config.beam_size,
-                       alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
-                       batch_tokens=config.eval_tokens_per_batch, top_k=config.beam_top_k)
+    d = s.decode
+    model = Translator(params, s.model, run.processor, beam_size=d.beam_size, alpha=d.length_penalty_alpha,
+                       max_extra_length=d.max_extra_length, batch_tokens=d.eval_tokens_per_batch, top_k=d.beam_top_k)
     return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
 
   def __call__(self, step: int, params, stop) -> dict:
     """The metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile (the loop then saves and exits)."""
-    config, run, should_stop = self.run.config, self.run, lambda: stop.received is not None
+    s, run, should_stop = self.run.settings, self.run, lambda: stop.received is not None
     if self.batches is None:
       dp_size = partitioning.data_parallel_size(run.mesh)
-      self.batches = token_table.eval_batches(config, run.vocab_path, 'eval', dp_size)
+      self.batches = token_table.eval_batches(s.data, run.vocab_path, 'eval', dp_size)
     results = evaluation.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
-    if results is not None and config.num_eval_bleu_sentences > 0:
+    if results is not None and s.loop.num_eval_bleu_sentences > 0:
       hypotheses = self._translate(params, should_stop)
       if hypotheses is None:
         results = None
       else:
-        results['bleu'], _ = evaluation.bleu(hypotheses, self.references, config.get('bleu_tokenize', '13a'))
+        results['bleu'], _ = evaluation.bleu(hypotheses, self.references, s.decode.bleu_tokenize)
         if run.is_chief:  # the sample's translations, to read beside the score
           (run.workdir / TRANSLATIONS_DIR).mkdir(parents=True, exist_ok=True)
           (run.workdir / TRANSLATIONS_DIR / f'eval_{step}.txt').write_text(''.join(h + '\n' for h in hypotheses))
@@ -425,7 +434,7 @@ class Progress:
     self.eval_seconds = []  # how long each evaluation took
 
   def report(self, step: int, fetched: list, losses) -> dict:
-    config, now = self.run.config, time.perf_counter()
+    loop, now = self.run.settings.loop, time.perf_counter()
     elapsed = now - self.tick
     metrics = {'loss': _finite_mean(losses), 'nll': _finite_mean([m['nll'] for m in fetched]),
                'accuracy': _finite_mean([m['accuracy'] for m in fetched]),
@@ -433,13 +442,13 @@ class Progress:
                'learning_rate': float(self.run.learning_rate(step - 1)),
                'tokens_per_second': float(sum(m['tokens'] for m in fetched)) / elapsed,
                'steps_per_second': (step - self.tick_step) / elapsed,
-               'dropped_too_long': self.run.train_iter.plan.dropped}
+               'dropped_too_long': self.run.train_iter.batching.dropped}
     self.log.scalars(step, metrics, 'train')
     self.log.step_losses(step, losses)
-    evaluations_left = config.num_train_steps // config.eval_every_steps - step // config.eval_every_steps
-    eta = ((config.num_train_steps - step) / max(metrics['steps_per_second'], 1e-9)
+    evaluations_left = loop.num_train_steps // loop.eval_every_steps - step // loop.eval_every_steps
+    eta = ((loop.num_train_steps - step) / max(metrics['steps_per_second'], 1e-9)
            + evaluations_left * (np.mean(self.eval_seconds) if self.eval_seconds else 0.0))
-    self.log.say(f'step {step}/{config.num_train_steps} loss {metrics["loss"]:.4f} lr {metrics["learning_rate"]:.2e} '
+    self.log.say(f'step {step}/{loop.num_train_steps} loss {metrics["loss"]:.4f} lr {metrics["learning_rate"]:.2e} '
                  f'{metrics["tokens_per_second"]:,.0f} tok/s elapsed {_format_eta(now - self.start)} '
                  f'ETA {_format_eta(eta)}')
     self.tick, self.tick_step = now, step
@@ -466,27 +475,39 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
 
 
 def _train(run: Run, log: MetricsLog, saver: Saver, stop: '_StopSignal') -> dict:
-  """The loop: a step, then the hooks due after it (progress, checkpoint, evaluation, stop)."""
-  config, state = run.config, run.state
-  guard = LossGuard(config.max_skipped_steps, config.loss_spike_factor, config.loss_spike_steps,
+  """The loop: a step, then the hooks due after it. Their order is the loop's contract:
+
+  1. `saver.check()` after every step: an asynchronous save that failed stops the run at the next step.
+  2. `stop.check(step)` after every step on every process: the step the processes agreed to stop at must not
+     be skipped, or the others wait forever in the next collective.
+  3. The pending losses go through the LossGuard before this step's checkpoint: a run whose loss is lost
+     never overwrites a good checkpoint.
+  4. No checkpoint at a step whose loss is not finite (its skipped update left the state as it was).
+  5. Evaluation after the checkpoint: a signal during evaluation abandons the evaluation, not the save.
+  6. On a signal, a checkpoint at this step (unless rule 3's was just written), then the loop ends.
+  7. After the loop, a non-finite last stretch is an error naming the last good checkpoint; the last
+     save is awaited before returning.
+  """
+  loop, state = run.settings.loop, run.state
+  guard = LossGuard(loop.max_skipped_steps, loop.loss_spike_factor, loop.loss_spike_steps,
                     verbose=run.is_chief, checkpoints=checkpointing.available_steps(run.workdir))
   evaluate, progress = Evaluator(run, log), Progress(run, log)
   pending, last_metrics, eval_results, compiled_shapes, step = [], {}, {}, set(), run.start_step
-  while step < config.num_train_steps:
+  while step < loop.num_train_steps:
     batch = run.to_global(next(run.train_iter))
     shape = (batch['inputs'].shape, batch['targets'].shape)
     if shape not in compiled_shapes:  # a new batch shape: compiled (or read from the cache) now
       compiled_shapes.add(shape)
       log.say(f'compiling the train step for batch shape {len(compiled_shapes)} of '
-              f'{len(run.train_iter.plan.used_shapes)}: {shape[0][0]} x ({shape[0][1]} + {shape[1][1]}) tokens')
+              f'{len(run.train_iter.batching.used_shapes)}: {shape[0][0]} x ({shape[0][1]} + {shape[1][1]}) tokens')
     state, metrics = run.train_step(state, batch, run.dropout_rng)
     pending.append(metrics)
     step += 1
     saver.check()
-    last = step == config.num_train_steps
+    last = step == loop.num_train_steps
     stop_now = stop.check(step)  # every step: the processes' agreed stop step must not be skipped
-    checkpoint_due = step % config.checkpoint_every_steps == 0 or last or stop_now
-    if step % config.log_every_steps == 0 or checkpoint_due:
+    checkpoint_due = step % loop.checkpoint_every_steps == 0 or last or stop_now
+    if step % loop.log_every_steps == 0 or checkpoint_due:
       fetched = jax.device_get(pending)
       losses = np.array([m['loss'] for m in fetched])
       for i, loss in enumerate(losses):  # before this step's checkpoint: a lost run never overwrites one
@@ -497,7 +518,7 @@ def _train(run: Run, log: MetricsLog, saver: Saver, stop: '_StopSignal') -> dict
     elif checkpoint_due:
       saver.save(step, state, run.train_iter.state())
       guard.saved(step)
-    if step % config.eval_every_steps == 0 or last:
+    if step % loop.eval_every_steps == 0 or last:
       eval_start = time.perf_counter()
       eval_results = evaluate(step, state.params, stop)
       progress.evaluated(time.perf_counter() - eval_start)

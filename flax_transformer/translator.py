@@ -23,6 +23,7 @@ from flax_transformer import decode, losses, platforms, tokenizer
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import UserError, WorkdirError
 from flax_transformer.model import Transformer, TransformerConfig
+from flax_transformer.settings import Settings
 
 WORD_START = '\u2581'  # SentencePiece's mark of a piece that begins a word
 
@@ -129,14 +130,14 @@ class Translator:
     beam_size, alpha: the defaults of `translate` (1 = greedy); §6.1's are 4 and 0.6.
     max_extra_length: each output may be this many tokens longer than its input (§6.1: 50).
     batch_tokens: source tokens per decoding batch.
-    top_k: the beam's top-k method ('auto', 'two_stage' or 'lax'; see decode.top_k).
+    top_k: the beam's top-k method ('two_stage' or 'lax'; see decode.top_k; a run's choice is in its settings).
     checkpoints: the checkpoint steps the parameters come from (reported only).
-    run_config: the run's ConfigDict when loaded from a workdir (its BLEU tokenizer, dataset), else None.
+    settings: the run's settings when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
   def __init__(self, params, model_config: TransformerConfig, processor, *, beam_size: int = 4,
-               alpha: float = 0.6, max_extra_length: int = 50, batch_tokens: int = 4096, top_k: str = 'auto',
-               checkpoints: tuple[int, ...] = (), run_config=None):
+               alpha: float = 0.6, max_extra_length: int = 50, batch_tokens: int = 4096, top_k: str = 'lax',
+               checkpoints: tuple[int, ...] = (), settings: Settings | None = None):
     _check_beam(beam_size, alpha)
     if batch_tokens < 1:
       raise UserError(f'batch_tokens={batch_tokens} must be at least 1; give the source tokens per batch')
@@ -144,24 +145,26 @@ class Translator:
     self.model_config, self.processor = model_config, processor
     self.model = Transformer(model_config)
     self.beam_size, self.alpha, self.max_extra_length = beam_size, alpha, max_extra_length
-    self.batch_tokens, self.top_k_method = batch_tokens, platforms.top_k(top_k)
-    self.checkpoints, self.run_config = tuple(checkpoints), run_config
+    if top_k not in platforms.TOP_K:
+      raise UserError(f"top_k={top_k!r}: use one of {', '.join(platforms.TOP_K)}")
+    self.batch_tokens, self.top_k_method = batch_tokens, top_k
+    self.checkpoints, self.settings = tuple(checkpoints), settings
 
   @classmethod
   def from_workdir(cls, workdir: str, step: int | None = None, average_last: int | None = None,
-                   checkpoint_dir: str | None = None, **settings) -> 'Translator':
+                   checkpoint_dir: str | None = None, **overrides) -> 'Translator':
     """The model a training run (or `average`) wrote to `workdir`, any storage path the product takes.
 
     Restores parameters only. `step`: that checkpoint alone; otherwise the mean of the last
     `average_last` checkpoints (default: the run's config.average_last). `checkpoint_dir`: read the
-    checkpoints from there instead of the workdir's. Decoding defaults come from the run's config unless
-    given in `settings` (the keyword arguments of Translator).
+    checkpoints from there instead of the workdir's. Decoding defaults come from the run's settings unless
+    given in `overrides` (the keyword arguments of Translator).
     """
     import flax.linen as nn
-    from flax_transformer import average, checkpointing, partitioning
-    config = checkpointing.read_config(workdir)
-    model_config = TransformerConfig.from_config(config)
-    processor = tokenizer.load(config.vocab_path or f'{workdir}/{tokenizer.VOCAB_FILENAME}', model_config.vocab_size)
+    from flax_transformer import average, checkpointing, partitioning, settings, workdirs
+    run = settings.resolve(workdirs.read_config(workdir))
+    model_config = run.model
+    processor = tokenizer.load(run.data.vocab_path or f'{workdir}/{tokenizer.VOCAB_FILENAME}', model_config.vocab_size)
     source = checkpoint_dir or workdir
     if step is not None:
       steps = checkpointing.available_steps(source)
@@ -170,20 +173,19 @@ class Translator:
       params = checkpointing.restore_params(source, step, nn.meta.unbox(partitioning.abstract_params(model_config)))
       chosen = [step]
     else:
-      count = average_last if average_last is not None else config.average_last
+      count = average_last if average_last is not None else run.loop.average_last
       params, chosen = average.averaged_params(source, count, model_config)
-    defaults = {'beam_size': config.beam_size, 'alpha': config.length_penalty_alpha,
-                'max_extra_length': config.max_extra_length, 'batch_tokens': config.eval_tokens_per_batch,
-                'top_k': config.get('beam_top_k', 'auto')}
-    return cls(params, model_config, processor, checkpoints=tuple(chosen), run_config=config,
-               **{**defaults, **settings})
+    d = run.decode
+    defaults = {'beam_size': d.beam_size, 'alpha': d.length_penalty_alpha, 'max_extra_length': d.max_extra_length,
+                'batch_tokens': d.eval_tokens_per_batch, 'top_k': d.beam_top_k}
+    return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run, **{**defaults, **overrides})
 
   # --- Text in, text out --------------------------------------------------------------
 
   @property
   def max_source_tokens(self) -> int:
     """Source tokens the model takes, with the end-of-sentence token added."""
-    return self.model_config.max_len - 1
+    return self.model_config.max_positions - 1
 
   def encode(self, sentences: list[str]) -> list[list[int]]:
     """Each sentence's token ids (no EOS; a blank sentence has none)."""
@@ -272,8 +274,8 @@ class Translator:
     for indices, inputs in batches:
       if should_stop and should_stop():
         return None
-      max_decode_len = decode.decode_length(inputs.shape[1], self.max_extra_length, self.model_config.max_len)
-      translate = decode.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_decode_len,
+      max_output_length = decode.decode_length(inputs.shape[1], self.max_extra_length, self.model_config.max_positions)
+      translate = decode.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_output_length,
                                           self.top_k_method, num_results)
       tokens, scores = jax.device_get(translate(self.params, inputs))
       tokens, scores = np.asarray(tokens), np.asarray(scores)

@@ -60,9 +60,9 @@ if not os.path.isdir(os.path.join(ROOT, 'configs')):
   subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-e', ROOT + extra], check=True)
 sys.path.insert(0, ROOT)
 
-from flax_transformer import platforms
+from flax_transformer import platforms, tensorflow_setup
 
-tf = platforms.import_tensorflow_quietly()  # tf.data only, kept off the accelerator
+tf = tensorflow_setup.import_quietly()  # tf.data only, kept off the accelerator
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
@@ -83,7 +83,7 @@ print('Multi30k from', os.path.abspath(DATA_DIR))
 
 # %%
 from configs import multi30k
-from flax_transformer import partitioning
+from flax_transformer import partitioning, settings
 
 config = multi30k.get_config(data_dir=DATA_DIR)
 config.num_train_steps = TRAIN_STEPS or (3000 if platforms.current() == 'cpu' else config.num_train_steps)
@@ -92,11 +92,13 @@ if TINY:  # a few-thousand-parameter model and few batch shapes, for a CPU test
   config.model.vocab_size, config.model.d_model, config.model.d_ff = 300, 32, 64
   config.model.num_encoder_layers = config.model.num_decoder_layers = 1
   config.train_source, config.train_target = config.eval_source, config.eval_target  # 1k pairs
-  config.num_bucket_boundaries, config.max_length, config.eval_max_length = 1, 48, 64
+  config.num_bucket_boundaries, config.max_train_length, config.max_eval_length = 1, 48, 64
   config.warmup_steps, config.checkpoint_every_steps, config.eval_every_steps = 10, 15, 30
   config.num_eval_bleu_sentences, config.keep_checkpoints, config.average_last = 0, 2, 2
   config.log_every_steps, config.tokens_per_batch = 5, 2048
-mesh = partitioning.create_mesh(config.mesh_shape)
+run = settings.resolve(config)  # every field checked, and the 'auto' choices made for this platform, once
+print(f'attention {run.model.attention}, dropout masks {run.model.dropout_masks}, beam top-k {run.decode.beam_top_k}')
+mesh = partitioning.create_mesh(run.loop.mesh_shape)
 print('mesh:', dict(mesh.shape))
 
 # %% [markdown]
@@ -175,7 +177,7 @@ print(f'averaged checkpoints {list(translator.checkpoints)}; BLEU on {len(source
 
 # %%
 source_ids = processor.encode(sources[0]) + [EOS_ID]
-target_ids = (processor.encode(translations[0]) + [EOS_ID])[:model_config.max_len]
+target_ids = (processor.encode(translations[0]) + [EOS_ID])[:model_config.max_positions]
 model = Transformer(model_config)
 _, state = model.apply({'params': params}, np.array([source_ids]), np.array([target_ids]),
                        mutable=['intermediates'])

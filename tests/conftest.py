@@ -56,7 +56,7 @@ def tiny_config():
 def small_model_config():
   """Small enough for seconds, wide enough that heads/FFN/vocab split 4 ways."""
   return TransformerConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
-                           num_decoder_layers=2, dropout_rate=0.0, max_len=64)
+                           num_decoder_layers=2, dropout_rate=0.0, max_positions=64)
 
 
 def random_batch(rng: np.random.Generator, batch: int, src_len: int, tgt_len: int, vocab: int):
@@ -100,7 +100,7 @@ def train_command(workdir, corpus_dir, steps=9, *extra):
           f'--workdir={workdir}', '--config.dataset=files',
           f'--config.train_source={corpus_dir}/train.src.gz', f'--config.train_target={corpus_dir}/train.tgt.gz',
           f'--config.eval_source={corpus_dir}/eval.src.gz', f'--config.eval_target={corpus_dir}/eval.tgt.gz',
-          '--config.num_bucket_boundaries=1', '--config.max_length=16', '--config.eval_max_length=16',
+          '--config.num_bucket_boundaries=1', '--config.max_train_length=16', '--config.max_eval_length=16',
           f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=3', '--config.eval_every_steps=100',
           '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=0', '--config.mesh_shape=(1,1,1)', *extra]
 
@@ -120,7 +120,7 @@ def trained_run(tmp_path_factory):
   """(workdir, corpus directory) of one 12-step train.py run (train_command(..., TRAINED_STEPS, *TRAINED_FLAGS):
   checkpoints 3, 6, 9, 12; one loss a step), built once per pytest run and shared by every worker; tests copy
   the workdir before they change it."""
-  from tests.test_input_pipeline import write_corpus
+  from tests.helpers.corpus import write_corpus
   with _once_per_run(tmp_path_factory, 'trained_run') as (directory, build):
     corpus, workdir = directory / 'corpus', directory / 'work'
     if build:
@@ -172,3 +172,26 @@ def gcs(tmp_path_factory):
         os.environ[key] = value
     server.kill()
     server.wait()
+
+
+@pytest.fixture
+def files_config(tiny_config, tmp_path):
+  """tiny_config on a 300-pair synthetic corpus (dataset='files'), training pairs up to 12 tokens."""
+  from tests.helpers.corpus import write_corpus
+  (train_src, train_tgt), _, _ = write_corpus(str(tmp_path), 300, 0, 'train')
+  (eval_src, eval_tgt), _, _ = write_corpus(str(tmp_path), 37, 1, 'eval')
+  config = tiny_config
+  config.dataset = 'files'
+  config.train_source, config.train_target = train_src, train_tgt
+  config.eval_source, config.eval_target = eval_src, eval_tgt
+  config.test_source, config.test_target = eval_src, eval_tgt
+  config.max_train_length = 12
+  return config
+
+
+@pytest.fixture
+def vocab(files_config, tmp_path):
+  from flax_transformer import parallel_text, settings, tokenizer
+  processor, path = tokenizer.train_or_load(settings.resolve(files_config).data, str(tmp_path / 'work'),
+                                            lambda: parallel_text.python_pairs(settings.resolve(files_config).data))
+  return processor, path

@@ -12,7 +12,7 @@ from jax._src import clusters
 from jax._src.clusters import cloud_tpu_cluster
 
 from configs import tiny
-from flax_transformer import cluster
+from flax_transformer import cluster, settings
 from flax_transformer.errors import ConfigError
 
 TIMEOUTS = {'heartbeat_timeout_seconds': 30, 'shutdown_timeout_seconds': 60}
@@ -39,18 +39,18 @@ def _resolved(arguments, monkeypatch, environ, tpu_vm=False):
 def test_explicit_coordinator(monkeypatch):
   config = tiny.get_config()
   config.coordinator_address, config.num_processes, config.process_id = '10.0.0.1:1234', 4, 3
-  found = cluster.detect(config, {}, tpu_chips=0)
+  found = cluster.detect(settings.resolve(config).cluster, {}, tpu_chips=0)
   assert found.arguments == {'coordinator_address': '10.0.0.1:1234', 'num_processes': 4, 'process_id': 3, **TIMEOUTS}
   assert found.kind == 'explicit coordinator 10.0.0.1:1234, 4 processes'
   config.process_id = 4
   with pytest.raises(ConfigError, match='config.process_id=4 is outside 0..3'):
-    cluster.detect(config, {}, tpu_chips=0)
+    cluster.detect(settings.resolve(config).cluster, {}, tpu_chips=0)
 
 
 @pytest.mark.parametrize('gpus_variable', [{'SLURM_GPUS_ON_NODE': '8'}, {'CUDA_VISIBLE_DEVICES': '0,1,2,3,4,5,6,7'}])
 def test_slurm_one_task_per_node_sees_all_its_gpus(monkeypatch, gpus_variable):
   environ = {**SLURM, 'SLURM_NTASKS': '2', 'SLURM_STEP_NUM_NODES': '2', 'SLURM_LOCALID': '0', **gpus_variable}
-  found = cluster.detect(tiny.get_config(), environ, tpu_chips=0)
+  found = cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=0)
   assert found.arguments == {'local_device_ids': list(range(8)), **TIMEOUTS}
   assert found.kind == 'SLURM, 2 tasks on 2 nodes, one per node with all its GPUs'
   assert _resolved(found.arguments, monkeypatch, environ) == ('gpu-node07:' + str(4242 % 4096 + 61440), 2, 1,
@@ -60,7 +60,7 @@ def test_slurm_one_task_per_node_sees_all_its_gpus(monkeypatch, gpus_variable):
 def test_slurm_one_task_per_gpu(monkeypatch):
   environ = {**SLURM, 'SLURM_NTASKS': '16', 'SLURM_STEP_NUM_NODES': '2', 'SLURM_LOCALID': '5',
              'SLURM_GPUS_ON_NODE': '8', 'SLURM_PROCID': '13'}
-  found = cluster.detect(tiny.get_config(), environ, tpu_chips=0)
+  found = cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=0)
   assert found.arguments == TIMEOUTS and found.kind == 'SLURM, 16 tasks on 2 nodes, one per GPU'
   coordinator, count, process, devices = _resolved(found.arguments, monkeypatch, environ)
   assert (count, process, devices) == (16, 13, [5])  # JAX gives the task the GPU of its local id
@@ -68,7 +68,7 @@ def test_slurm_one_task_per_gpu(monkeypatch):
 
 def test_slurm_single_task_is_a_single_process():
   environ = {**SLURM, 'SLURM_NTASKS': '1', 'SLURM_LOCALID': '0'}
-  assert cluster.detect(tiny.get_config(), environ, tpu_chips=0) == cluster.ClusterStart('single process', None)
+  assert cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=0) == cluster.ClusterStart('single process', None)
 
 
 class _Metadata(http.server.BaseHTTPRequestHandler):
@@ -103,7 +103,7 @@ def _metadata_server(**values):
 
 def test_gke_tpu(monkeypatch):
   environ = {'TPU_WORKER_HOSTNAMES': 'host-0.tpu,host-1.tpu,host-2.tpu,host-3.tpu', 'TPU_WORKER_ID': '2'}
-  found = cluster.detect(tiny.get_config(), environ, tpu_chips=4)
+  found = cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=4)
   assert found.arguments == TIMEOUTS and found.kind == 'GKE TPU'
   with _metadata_server(**GKE_NODE) as metadata:
     assert _resolved(found.arguments, monkeypatch, {**environ, **metadata}, tpu_vm=True) == ('host-0.tpu:8482', 4, 2,
@@ -113,7 +113,7 @@ def test_gke_tpu(monkeypatch):
 def test_gke_tpu_multislice(monkeypatch):
   environ = {'TPU_WORKER_HOSTNAMES': 'a-0,a-1', 'TPU_WORKER_ID': '1', 'MEGASCALE_COORDINATOR_ADDRESS': 'a-0:9000',
              'MEGASCALE_NUM_SLICES': '2', 'MEGASCALE_SLICE_ID': '1'}
-  found = cluster.detect(tiny.get_config(), environ, tpu_chips=4)
+  found = cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=4)
   assert found.kind == 'GKE TPU (multislice, 2 slices)'
   with _metadata_server(**GKE_NODE) as metadata:
     assert _resolved(found.arguments, monkeypatch, {**environ, **metadata}, tpu_vm=True) == ('a-0:8482', 4, 3, None)
@@ -124,7 +124,7 @@ def test_cloud_tpu_vm_slice(monkeypatch, multi_host):
   """gcloud ... ssh --worker=all: no variable names the cluster; JAX asks the VM's metadata server."""
   single = {} if multi_host else {'agent-worker-number': '0', 'worker-network-endpoints': 'w0:0:10.1.0.5'}
   with _metadata_server(**single) as environ:
-    found = cluster.detect(tiny.get_config(), environ, tpu_chips=4)
+    found = cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=4)
     assert found.arguments == TIMEOUTS and found.kind == 'Cloud TPU VM'
     resolved = _resolved(found.arguments, monkeypatch, environ, tpu_vm=True)
   assert resolved == (('10.1.0.5:8482', 2, 1, None) if multi_host else ('10.1.0.5:8482', 1, 0, None))
@@ -132,7 +132,7 @@ def test_cloud_tpu_vm_slice(monkeypatch, multi_host):
 
 def test_unknown_environment_is_a_single_process():
   environ = {'HOSTNAME': 'workstation', 'CUDA_VISIBLE_DEVICES': '0'}
-  assert cluster.detect(tiny.get_config(), environ, tpu_chips=0) == cluster.ClusterStart('single process', None)
+  assert cluster.detect(settings.resolve(tiny.get_config()).cluster, environ, tpu_chips=0) == cluster.ClusterStart('single process', None)
 
 
 def test_start_passes_the_arguments(monkeypatch):
@@ -144,8 +144,8 @@ def test_start_passes_the_arguments(monkeypatch):
     monkeypatch.delenv(key, raising=False)
   config = tiny.get_config()
   config.heartbeat_timeout_seconds = 7
-  assert cluster.start(config).kind == 'single process' and calls == []
+  assert cluster.start(settings.resolve(config).cluster).kind == 'single process' and calls == []
   config.coordinator_address, config.num_processes, config.process_id = 'localhost:5', 2, 1
-  assert cluster.start(config).kind.startswith('explicit coordinator')
+  assert cluster.start(settings.resolve(config).cluster).kind.startswith('explicit coordinator')
   assert calls == [{'coordinator_address': 'localhost:5', 'num_processes': 2, 'process_id': 1,
                     'heartbeat_timeout_seconds': 7, 'shutdown_timeout_seconds': 60}]

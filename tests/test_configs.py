@@ -7,8 +7,8 @@ import optax
 import pytest
 
 from configs import base, big
+from flax_transformer import settings
 from flax_transformer import optim
-from flax_transformer.model import TransformerConfig
 
 
 @pytest.mark.parametrize('name,module,sizes,dropout,steps,average', [
@@ -27,12 +27,12 @@ def test_paper_values(name, module, sizes, dropout, steps, average):
   assert config.num_train_steps == steps and config.average_last == average  # §5.2, §6.1
   assert (config.beam_size, config.length_penalty_alpha, config.max_extra_length) == (4, 0.6, 50)  # §6.1
   assert config.grad_clip_norm == 0.0 and config.cooldown_steps == 0
-  TransformerConfig.from_config(config)  # and the architecture builds from it
+  settings.model_settings(config)  # and the architecture builds from it
 
 
 def test_base_optimizer_applies_the_papers_first_update():
   config = base.get_config()
-  tx, schedule = optim.create_optimizer(config, config.model.d_model), optim.learning_rate(config, config.model.d_model)
+  tx, schedule = optim.create_optimizer(settings.resolve(config).optimizer, config.model.d_model), optim.learning_rate(settings.resolve(config).optimizer, config.model.d_model)
   g = np.array([0.5, -2.0, 1e-9], np.float32)
   updates, _ = tx.update({'w': g}, tx.init({'w': np.zeros(3, np.float32)}), {'w': np.zeros(3, np.float32)})
   # Step 1 of Adam(0.9, 0.98, 1e-9): m̂ = g, v̂ = g², update = -lr · g / (|g| + 1e-9), lr = 512^-0.5 · 4000^-1.5.

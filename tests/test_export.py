@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import checkpointing, parallel_text, tokenizer
-from flax_transformer.model import Transformer, TransformerConfig
+from flax_transformer import checkpointing, parallel_text, settings, tokenizer, workdirs
+from flax_transformer.model import Transformer
 from tests.conftest import ROOT, subprocess_env
 
 ctranslate2 = pytest.importorskip('ctranslate2')
@@ -24,7 +24,7 @@ def _sentences():
     return (parallel_text.read_lines(os.path.join(MULTI30K, 'val.en.gz'))[:200],
             parallel_text.read_lines(os.path.join(MULTI30K, 'val.de.gz'))[:200])
   import tempfile
-  from tests.test_input_pipeline import write_corpus
+  from tests.helpers.corpus import write_corpus
   _, source_lines, target_lines = write_corpus(tempfile.mkdtemp(), 200, 7, 'export_sentences')
   return source_lines, target_lines
 
@@ -41,12 +41,12 @@ def workdir(request, tmp_path_factory):
   config.model.vocab_size, config.model.d_model, config.model.num_heads = 500, 32, 4
   config.model.d_ff, config.model.pre_norm, config.model.share_embeddings = 64, pre_norm, share
   config.max_extra_length, config.average_last = EXTRA, 1
-  model_config = TransformerConfig.from_config(config)
+  model_config = settings.model_settings(config)
   dummy = np.ones((1, 4), np.int32)
   params = nn.meta.unbox(Transformer(model_config).init(jax.random.key(3), dummy, dummy)['params'])
   params = jax.tree_util.tree_map(lambda x: np.asarray(x) * 3.0, params)
   checkpointing.save_params(checkpointing.checkpoint_dir(directory), 1, params)
-  checkpointing.write_config(directory, config)
+  workdirs.write_config(directory, config)
   return str(directory), sources, targets
 
 
@@ -68,7 +68,7 @@ def test_ctranslate2_greedy_gives_our_tokens(workdir, tmp_path):
   for length in sorted({len(p) for p in pieces}):  # CTranslate2 takes one length limit per batch: by length
     rows = [i for i, p in enumerate(pieces) if len(p) == length]
     found = theirs.translate_batch([pieces[i] for i in rows], beam_size=1,
-                                   max_decoding_length=min(length + 1 + EXTRA, ours.model_config.max_len))
+                                   max_decoding_length=min(length + 1 + EXTRA, ours.model_config.max_positions))
     for i, hypothesis in zip(rows, found):
       their_pieces[i] = hypothesis.hypotheses[0]
   their_text = [ours.processor.decode_pieces(p) for p in their_pieces]

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from tests.conftest import subprocess_env, train_command
-from tests.test_input_pipeline import write_corpus
+from tests.helpers.corpus import write_corpus
 
 
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
   import jax
+  from flax_transformer import settings, workdirs
   from flax_transformer import checkpointing, input_pipeline, partitioning, steps, tokenizer
-  from flax_transformer.model import TransformerConfig
   from flax_transformer.train_loop import data_seed
   source, _ = trained_run
   corpus, workdir = tmp_path / 'corpus', tmp_path / 'tuned'
@@ -32,11 +32,11 @@ def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
   records = [json.loads(line) for line in open(workdir / 'train_metrics.jsonl')]
   first_loss = next(r['losses'][0] for r in records if r['split'] == 'train_steps')
   # The source model's loss on the fine-tuning run's first batch, computed here.
-  config = checkpointing.read_config(str(workdir))
-  model_config = TransformerConfig.from_config(config)
+  config = workdirs.read_config(str(workdir))
+  model_config = settings.model_settings(config)
   import flax.linen as nn
   params = checkpointing.restore_params(source, 9, nn.meta.unbox(partitioning.abstract_params(model_config)))
-  batches = input_pipeline.process_train_batches(config, str(workdir / tokenizer.VOCAB_FILENAME), (0, 1), 1,
+  batches = input_pipeline.process_train_batches(settings.resolve(config).data, str(workdir / tokenizer.VOCAB_FILENAME), (0, 1), 1,
                                                  data_seed(config.seed, 0), None)
   sums = steps.eval_step(params, next(iter(batches)), model_config=model_config,
                          label_smoothing=config.label_smoothing)

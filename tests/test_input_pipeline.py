@@ -1,78 +1,26 @@
-"""Vocabulary, token tables and training batches: the tfds WMT14 path (mocked), text files, sharding; bucketing invariants."""
+"""Training batches and their batching: the tfds WMT14 path (mocked), text files, sharding; bucketing invariants."""
 
-import gzip
 import json
-import os
 
 import numpy as np
 import tensorflow as tf
 import pytest
 import tensorflow_datasets as tfds
 
-from flax_transformer import bucketing, input_pipeline, parallel_text, token_table, tokenizer
-
-WORDS = 'the a cat dog sat on mat runs fast slow red blue house tree big small man woman child ball'.split()
-
-
-def write_corpus(directory, n=300, seed=0, name='train'):
-  rng = np.random.default_rng(seed)
-  sources, targets = [], []
-  for _ in range(n):
-    words = list(rng.choice(WORDS, size=rng.integers(1, 14)))
-    sources.append(' '.join(words))
-    targets.append(' '.join(w.upper() for w in reversed(words)))
-  paths = []
-  for lang, lines in (('src', sources), ('tgt', targets)):
-    path = os.path.join(directory, f'{name}.{lang}.gz')
-    with gzip.open(path, 'wt', encoding='utf-8') as f:
-      f.write('\n'.join(lines) + '\n')
-    paths.append(path)
-  return paths, sources, targets
-
-
-@pytest.fixture
-def files_config(tiny_config, tmp_path):
-  (train_src, train_tgt), _, _ = write_corpus(str(tmp_path), 300, 0, 'train')
-  (eval_src, eval_tgt), _, _ = write_corpus(str(tmp_path), 37, 1, 'eval')
-  config = tiny_config
-  config.dataset = 'files'
-  config.train_source, config.train_target = train_src, train_tgt
-  config.eval_source, config.eval_target = eval_src, eval_tgt
-  config.test_source, config.test_target = eval_src, eval_tgt
-  config.max_length = 12
-  return config
-
-
-@pytest.fixture
-def vocab(files_config, tmp_path):
-  processor, path = tokenizer.train_or_load(files_config, str(tmp_path / 'work'),
-                                            lambda: parallel_text.python_pairs(files_config))
-  return processor, path
-
-
-def test_vocabulary_is_trained_once_and_reserves_ids(files_config, vocab, tmp_path):
-  processor, path = vocab
-  assert processor.get_piece_size() == files_config.model.vocab_size
-  assert (processor.pad_id(), processor.eos_id(), processor.unk_id()) == (0, 1, 2)
-  mtime = os.path.getmtime(path)
-  tokenizer.train_or_load(files_config, str(tmp_path / 'work'), lambda: pytest.fail('must reuse the saved model'))
-  assert os.path.getmtime(path) == mtime
-  files_config.model.vocab_size = 128
-  with pytest.raises(tokenizer.VocabularyError, match='has 64 pieces but config.model.vocab_size=128'):
-    tokenizer.train_or_load(files_config, str(tmp_path / 'work'), None)
-
+from flax_transformer import bucketing, input_pipeline, parallel_text, settings, token_table, tokenizer
+from tests.helpers.corpus import write_corpus
 
 def one_process_batches(config, vocab_path, data_parallel_size=1, **kwargs):
   """The training batches of a one-process run: one shard, its own histogram."""
-  table = token_table.train_table(config, vocab_path)
-  plan = input_pipeline.train_plan(config, table.histogram(config.max_length), table.dropped, data_parallel_size)
-  return input_pipeline.train_batches(table, plan, **kwargs)
+  table = token_table.train_table(settings.resolve(config).data, vocab_path)
+  batching = input_pipeline.train_batching(settings.resolve(config).data, table.histogram(config.max_train_length), table.dropped, data_parallel_size)
+  return input_pipeline.train_batches(table, batching, **kwargs)
 
 
 @pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
 def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
   _, path = vocab
-  files_config.max_length = 64  # keep everything
+  files_config.max_train_length = 64  # keep everything
   files_config.bucket_shapes = mode
   stream = one_process_batches(files_config, path, data_parallel_size=4, repeat=False)
   batches = list(stream)
@@ -85,11 +33,11 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
     for source, target in zip(batch['inputs'], batch['targets']):
       if target.any():
         seen.append((tokenizer.decode_ids(processor, source), tokenizer.decode_ids(processor, target)))
-  expected = list(parallel_text.python_pairs(files_config))
+  expected = list(parallel_text.python_pairs(settings.resolve(files_config).data))
   assert len(seen) == len(expected) and sorted(seen) == sorted(expected)  # nothing lost, nothing duplicated
-  assert stream.plan.dropped == 0
+  assert stream.batching.dropped == 0
   shapes = {(b['inputs'].shape, b['targets'].shape) for b in batches}
-  boundaries = stream.plan.boundaries
+  boundaries = stream.batching.boundaries
   if mode == 'pairs':
     assert len(shapes) <= 3 * len(boundaries)
   else:
@@ -102,20 +50,20 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
 
 def test_unknown_bucket_shapes_is_a_one_line_error(files_config, vocab):
   files_config.bucket_shapes = 'both'
-  with pytest.raises(bucketing.PlanError, match="config.bucket_shapes='both' is not one of pairs, longer_side"):
+  with pytest.raises(bucketing.BatchingError, match="config.bucket_shapes='both' is not one of pairs, longer_side"):
     one_process_batches(files_config, vocab[1])
 
 
 def test_too_long_pairs_are_dropped_and_counted(files_config, vocab):
   _, path = vocab
-  files_config.max_length = 6
+  files_config.max_train_length = 6
   stream = one_process_batches(files_config, path, repeat=False)
   batches = list(stream)
   kept = sum(int(b['targets'].any(1).sum()) for b in batches)
   processor = tokenizer.load(path)
-  too_long = sum(1 for s, t in parallel_text.python_pairs(files_config)
+  too_long = sum(1 for s, t in parallel_text.python_pairs(settings.resolve(files_config).data)
                  if max(len(processor.encode(s)), len(processor.encode(t))) + 1 > 6)
-  assert stream.plan.dropped == too_long > 0
+  assert stream.batching.dropped == too_long > 0
   assert kept == 300 - too_long
   assert all(b['inputs'].shape[1] <= 6 and b['targets'].shape[1] <= 6 for b in batches)
 
@@ -129,32 +77,22 @@ def test_same_seed_same_batches_other_seed_other_order(files_config, vocab):
   assert not all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(first, other))
 
 
-def test_eval_batches_keep_order_and_every_sentence(files_config, vocab):
-  processor, path = vocab
-  batches = token_table.eval_batches(files_config, path, data_parallel_size=2)
-  rows = [(s, t) for b in batches for s, t in zip(b['inputs'], b['targets']) if t.any()]
-  expected = list(parallel_text.python_pairs(files_config, 'eval'))
-  assert len(rows) == len(expected) == 37
-  assert [(tokenizer.decode_ids(processor, s), tokenizer.decode_ids(processor, t)) for s, t in rows] == expected
-  assert len({b['inputs'].shape[0] for b in batches}) == 1 and batches[0]['inputs'].shape[0] % 2 == 0
-
-
 def test_wmt14_through_tfds(tiny_config, tmp_path):
   tiny_config.dataset = 'wmt14_translate/de-en'
   with tfds.testing.mock_data(num_examples=40):
-    processor, path = tokenizer.train_or_load(tiny_config, str(tmp_path),
-                                              lambda: parallel_text.python_pairs(tiny_config))
+    processor, path = tokenizer.train_or_load(settings.resolve(tiny_config).data, str(tmp_path),
+                                              lambda: parallel_text.python_pairs(settings.resolve(tiny_config).data))
     batch = next(one_process_batches(tiny_config, path))
-    eval_rows = sum(int(b['targets'].any(1).sum()) for b in token_table.eval_batches(tiny_config, path))
+    eval_rows = sum(int(b['targets'].any(1).sum()) for b in token_table.eval_batches(settings.resolve(tiny_config).data, path))
   assert batch['inputs'].ndim == 2 and batch['inputs'].dtype == np.int32
   assert eval_rows == 40
 
 
 def _shard_streams(config, path, shards, data_parallel_size):
-  """What each of `shards` processes builds: its own table, the summed histogram, one plan each."""
-  tables = [token_table.train_table(config, path, (i, shards)) for i in range(shards)]
-  histogram = sum(t.histogram(config.max_length) for t in tables)
-  plans = [input_pipeline.train_plan(config, histogram, sum(t.dropped for t in tables), data_parallel_size)
+  """What each of `shards` processes builds: its own table, the summed histogram, one batching each."""
+  tables = [token_table.train_table(settings.resolve(config).data, path, (i, shards)) for i in range(shards)]
+  histogram = sum(t.histogram(config.max_train_length) for t in tables)
+  plans = [input_pipeline.train_batching(settings.resolve(config).data, histogram, sum(t.dropped for t in tables), data_parallel_size)
            for _ in tables]
   return tables, [input_pipeline.train_batches(t, p, (i, shards), seed=5) for i, (t, p) in enumerate(zip(tables, plans))]
 
@@ -175,7 +113,7 @@ def _wmt_from(sources: list[str], targets: list[str]):
 @pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
 def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path, source, mode):
   config = files_config
-  config.bucket_shapes, config.num_bucket_boundaries, config.max_length = mode, 8, 64
+  config.bucket_shapes, config.num_bucket_boundaries, config.max_train_length = mode, 8, 64
   config.tokens_per_batch, config.gradient_accumulation_steps = 1024, 2
   paths, _, _ = write_corpus(str(tmp_path), 900, 3, 'long')
   config.train_source, config.train_target = paths
@@ -184,15 +122,15 @@ def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path,
     config.dataset = 'wmt14_translate/de-en'
     mock.__enter__()
   try:
-    _, path = tokenizer.train_or_load(config, str(tmp_path / source), lambda: parallel_text.python_pairs(config))
-    whole = token_table.train_table(config, path)
+    _, path = tokenizer.train_or_load(settings.resolve(config).data, str(tmp_path / source), lambda: parallel_text.python_pairs(settings.resolve(config).data))
+    whole = token_table.train_table(settings.resolve(config).data, path)
     tables, streams = _shard_streams(config, path, 2, data_parallel_size=4)
     steps = [[next(stream) for _ in range(60)] for stream in streams]
   finally:
     if source == 'tfds':
       mock.__exit__(None, None, None)
-  plan = streams[0].plan
-  assert len(plan.boundaries) >= 8 and len(plan.used_shapes) >= 8
+  batching = streams[0].batching
+  assert len(batching.boundaries) >= 8 and len(batching.used_shapes) >= 8
   # The shards split the data: together they hold every pair of the split once.
   assert sorted(np.concatenate([t.sources.lengths for t in tables])) == sorted(whole.sources.lengths)
   assert abs(len(tables[0]) - len(tables[1])) <= 1
@@ -224,16 +162,16 @@ def test_bucket_boundaries_minimise_padding():
 
 def test_batch_plan_weights_shapes_by_batches_per_epoch(files_config, vocab):
   _, path = vocab
-  files_config.max_length = 64
+  files_config.max_train_length = 64
   stream = one_process_batches(files_config, path, seed=0)
-  plan = stream.plan
-  counts = np.zeros(len(plan.batch_sizes))
+  batching = stream.batching
+  counts = np.zeros(len(batching.batch_sizes))
   for _ in range(400):
     batch = next(stream)
-    counts[[k for k in range(len(counts)) if (plan.batch_sizes[k], plan.source_lengths[k], plan.target_lengths[k])
+    counts[[k for k in range(len(counts)) if (batching.batch_sizes[k], batching.source_lengths[k], batching.target_lengths[k])
                                           == (batch['inputs'].shape[0], *batch['inputs'].shape[1:],
                                               batch['targets'].shape[1])][0]] += 1
-  expected = np.array(plan.pairs) / np.array(plan.batch_sizes)
+  expected = np.array(batching.pairs) / np.array(batching.batch_sizes)
   expected = expected / expected.sum()
   # 400 draws: each shape's share within 4 binomial standard deviations of its batches-per-epoch share.
   assert np.all(np.abs(counts / 400 - expected) <= 4 * np.sqrt(expected * (1 - expected) / 400) + 1e-9)
@@ -253,13 +191,7 @@ def test_iterator_state_resumes_the_stream(files_config, vocab):
   assert all(np.array_equal(a[k], b[k]) for a, b in zip(expected, resumed) for k in ('inputs', 'targets'))
 
 
-def test_a_shard_without_data_is_a_one_line_error(files_config, vocab):
-  with pytest.raises(parallel_text.DataError) as error:
-    token_table.train_table(files_config, vocab[1], (299, 400))  # 300 pairs: shard 299 of 400 is empty
-  assert 'shard 299 of 400 holds no sentence pair' in str(error.value) and '\n' not in str(error.value)
-
-
 def test_a_global_batch_too_small_for_the_devices_is_a_one_line_error(files_config, vocab):
   files_config.tokens_per_batch = 64
-  with pytest.raises(bucketing.PlanError, match='config.tokens_per_batch=64 cannot hold 8 sentences of'):
+  with pytest.raises(bucketing.BatchingError, match='config.tokens_per_batch=64 cannot hold 8 sentences of'):
     one_process_batches(files_config, vocab[1], data_parallel_size=8)

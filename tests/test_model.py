@@ -11,6 +11,7 @@ import torch
 from flax import linen as nn
 
 from configs import base, big
+from flax_transformer import settings
 from flax_transformer import layers, partitioning
 from flax_transformer.model import Transformer, TransformerConfig
 from tests.conftest import random_batch
@@ -118,7 +119,7 @@ def test_logits_match_torch_transformer(small_model_config, np_rng, pre_norm):
 
 
 def _count(config) -> int:
-  tree = partitioning.abstract_params(TransformerConfig.from_config(config))
+  tree = partitioning.abstract_params(settings.model_settings(config))
   return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(nn.meta.unbox(tree)))
 
 
@@ -196,7 +197,7 @@ def test_unknown_config_field_is_named():
   config = base.get_config()
   config.model.hidden_size = 3
   with pytest.raises(ValueError, match='config.model.hidden_size: unknown field'):
-    TransformerConfig.from_config(config)
+    settings.model_settings(config)
 
 
 @pytest.mark.parametrize('method', ['hash', 'random'])

@@ -14,10 +14,10 @@ import jax
 import pytest
 
 from tools import compare_runs
+from flax_transformer import settings, train_state, workdirs
 from flax_transformer import checkpointing, evaluation, parallel_text, partitioning, steps, storage, token_table, tokenizer
-from flax_transformer.model import TransformerConfig
 from flax_transformer.translator import Translator
-from tests.test_input_pipeline import write_corpus
+from tests.helpers.corpus import write_corpus
 from tests.test_partitioning import _free_port
 from tests.conftest import ROOT, subprocess_env
 
@@ -33,8 +33,8 @@ def _commands(workdir, corpus, extra=()):
           f'--workdir={workdir}', '--config.dataset=files',
           f'--config.train_source={corpus}/train.src.gz', f'--config.train_target={corpus}/train.tgt.gz',
           f'--config.eval_source={corpus}/eval.src.gz', f'--config.eval_target={corpus}/eval.tgt.gz',
-          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=3', '--config.max_length=32',
-          '--config.eval_max_length=32', '--config.tokens_per_batch=512', '--config.gradient_accumulation_steps=2',
+          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=3', '--config.max_train_length=32',
+          '--config.max_eval_length=32', '--config.tokens_per_batch=512', '--config.gradient_accumulation_steps=2',
           f'--config.num_train_steps={STEPS}', '--config.checkpoint_every_steps=8', '--config.eval_every_steps=12',
           '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=6', '--config.mesh_shape=(2,2,2)',
           '--config.num_processes=2', f'--config.coordinator_address=localhost:{port}', *extra]
@@ -135,24 +135,24 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
 
 def test_evaluation_equals_one_process(corpus, reference, tiny_config):
   workdir, _ = reference
-  config = checkpointing.read_config(workdir)
+  config = workdirs.read_config(workdir)
   _, evaluations = compare_runs.read_run(workdir)
   logged = evaluations[STEPS]
-  model_config = TransformerConfig.from_config(config)
+  model_config = settings.model_settings(config)
   mesh = partitioning.create_mesh((8, 1, 1))
-  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  state, shardings = train_state.create_train_state(model_config, settings.resolve(config).optimizer, mesh, jax.random.key(0))
   manager = checkpointing.create_manager(workdir, 10)
   state = checkpointing.restore_state(manager, STEPS, state, shardings)
   manager.close()
-  processor, vocab_path = tokenizer.train_or_load(config, workdir, None)
+  processor, vocab_path = tokenizer.train_or_load(settings.resolve(config).data, workdir, None)
   eval_step = partitioning.jit_eval_step(functools.partial(steps.eval_step, model_config=model_config,
                                                            label_smoothing=config.label_smoothing),
                                          mesh, shardings.params)
-  batches = token_table.eval_batches(config, vocab_path, 'eval', 8)
+  batches = token_table.eval_batches(settings.resolve(config).data, vocab_path, 'eval', 8)
   sharding = partitioning.batch_sharding(mesh)
   results = evaluation.evaluate_loss(eval_step, state.params, batches,
                                      lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()})
-  pairs = list(parallel_text.python_pairs(config, 'eval'))[:config.num_eval_bleu_sentences]
+  pairs = list(parallel_text.python_pairs(settings.resolve(config).data, 'eval'))[:config.num_eval_bleu_sentences]
   hypotheses = Translator(jax.device_get(state.params), model_config, processor, beam_size=config.beam_size,
                           alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
                           batch_tokens=config.eval_tokens_per_batch).translate([p[0] for p in pairs])

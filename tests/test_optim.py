@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import optax
-from flax_transformer import optim
+from flax_transformer import optim, settings
 
 
 def test_schedule_equals_the_formula():
@@ -15,7 +15,7 @@ def test_schedule_equals_the_formula():
 
 
 def test_optimizer_starts_at_paper_step_one(tiny_config):
-  tx, schedule = optim.create_optimizer(tiny_config, 16), optim.learning_rate(tiny_config, 16)
+  tx, schedule = optim.create_optimizer(settings.resolve(tiny_config).optimizer, 16), optim.learning_rate(settings.resolve(tiny_config).optimizer, 16)
   np.testing.assert_allclose(float(schedule(0)), 16**-0.5 * 1 * 10**-1.5, rtol=1e-6)
   # Two Adam updates by hand with §5.3's beta1 = 0.9, beta2 = 0.98, epsilon = 1e-9 and the schedule's first
   # two rates; epsilon matters because the first gradient's last entry is 1e-9.
@@ -36,9 +36,9 @@ def test_optimizer_starts_at_paper_step_one(tiny_config):
 
 
 def test_gradient_clipping_is_a_switch(tiny_config):
-  plain = optim.create_optimizer(tiny_config, 16)
+  plain = optim.create_optimizer(settings.resolve(tiny_config).optimizer, 16)
   tiny_config.grad_clip_norm = 1.0
-  clipped = optim.create_optimizer(tiny_config, 16)
+  clipped = optim.create_optimizer(settings.resolve(tiny_config).optimizer, 16)
   params = {'w': np.ones(3, np.float32)}
   gradients = [{'w': np.array([1e3, 0.0, 0.0], np.float32)}, {'w': np.array([1.0, 0.5, 0.0], np.float32)}]
 
@@ -57,7 +57,7 @@ def test_gradient_clipping_is_a_switch(tiny_config):
 
 def test_cooldown_ramps_the_paper_rate_linearly_to_zero(tiny_config):
   tiny_config.num_train_steps, tiny_config.warmup_steps, tiny_config.cooldown_steps = 100, 10, 40
-  schedule = optim.learning_rate(tiny_config, 16)
+  schedule = optim.learning_rate(settings.resolve(tiny_config).optimizer, 16)
   paper = optim.inverse_sqrt_schedule(16, 10)
   for count in (0, 9, 30, 60, 61, 80, 99):  # optax update count; the paper's step is count + 1
     by_hand = float(paper(count + 1)) * min(1.0, (100 - count) / 40)
@@ -68,7 +68,7 @@ def test_cooldown_ramps_the_paper_rate_linearly_to_zero(tiny_config):
 def test_constant_decay_holds_the_warmup_peak_then_cools_down(tiny_config):
   tiny_config.num_train_steps, tiny_config.warmup_steps, tiny_config.cooldown_steps = 100, 10, 40
   tiny_config.lr_decay = 'constant'
-  schedule = optim.learning_rate(tiny_config, 16)
+  schedule = optim.learning_rate(settings.resolve(tiny_config).optimizer, 16)
   peak = 16**-0.5 * 10**-0.5
   for count in (0, 4, 9, 30, 59, 60, 80, 99):  # the paper's linear warmup, the peak held, then the ramp
     by_hand = min(peak, 16**-0.5 * (count + 1) * 10**-1.5) * min(1.0, (100 - count) / 40)
@@ -78,16 +78,14 @@ def test_constant_decay_holds_the_warmup_peak_then_cools_down(tiny_config):
 
 
 def test_unknown_lr_decay_is_a_config_error(tiny_config):
-  from flax_transformer import train_loop
   from flax_transformer.errors import ConfigError
   tiny_config.lr_decay = 'cosine'
   with pytest.raises(ConfigError, match=r"config.lr_decay='cosine': must be one of inverse_sqrt, constant"):
-    train_loop.check_config(tiny_config)
+    settings.check(tiny_config)
 
 
 def test_cooldown_longer_than_the_run_is_a_config_error(tiny_config):
-  from flax_transformer import train_loop
   from flax_transformer.errors import ConfigError
   tiny_config.cooldown_steps = tiny_config.num_train_steps + 1
   with pytest.raises(ConfigError, match=r'config.cooldown_steps=\d+: must be an integer from 0'):
-    train_loop.check_config(tiny_config)
+    settings.check(tiny_config)

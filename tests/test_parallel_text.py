@@ -6,14 +6,14 @@ import os
 import pytest
 
 from configs import multi30k
-from flax_transformer import parallel_text
+from flax_transformer import parallel_text, settings
 
 
 def test_multi30k_files_by_path(tmp_path):
   config = multi30k.get_config()
   if not os.path.exists(config.train_source):
     pytest.skip('../shared/data/multi30k is not beside this checkout')
-  pairs = parallel_text.python_pairs(config, 'test')
+  pairs = parallel_text.python_pairs(settings.resolve(config).data, 'test')
   first = next(pairs)
   assert first[0].startswith('A man') and first[1]
   assert len(parallel_text.read_lines(config.eval_source)) == 1014
@@ -46,11 +46,11 @@ def test_bad_files_are_one_line_errors(tmp_path, case, message):
 def test_tfds_errors_say_how_to_fix(tiny_config, tmp_path):
   tiny_config.dataset = 'no_such_dataset_xyz'
   with pytest.raises(parallel_text.DataError, match='is not a tfds dataset'):
-    next(parallel_text.python_pairs(tiny_config))
+    next(parallel_text.python_pairs(settings.resolve(tiny_config).data))
   tiny_config.dataset = 'wmt14_translate/de-en'
   tiny_config.data_dir = str(tmp_path)
   with pytest.raises(parallel_text.DataError, match='tfds build wmt14_translate/de-en'):
-    next(parallel_text.python_pairs(tiny_config))
+    next(parallel_text.python_pairs(settings.resolve(tiny_config).data))
 
 
 def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):

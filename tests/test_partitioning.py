@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import mesh_utils
 
+from flax_transformer import settings, train_state
 from flax_transformer import checkpointing, partitioning, steps
 from flax_transformer.errors import ConfigError
 from flax_transformer.model import TransformerConfig
@@ -36,7 +37,7 @@ def _total_bytes(tree) -> int:
 def test_fsdp_holds_an_eighth_per_device(tiny_config, small_model_config):
   mesh = partitioning.create_mesh((1, 8, 1))
   config = TransformerConfig(**{**small_model_config.__dict__, 'd_model': 64, 'd_ff': 256, 'vocab_size': 512})
-  state, _ = partitioning.create_train_state(tiny_config, config, mesh, jax.random.key(0))
+  state, _ = train_state.create_train_state(config, settings.resolve(tiny_config).optimizer, mesh, jax.random.key(0))
   for name, tree in (('parameters', state.params), ('optimizer state', state.opt_state)):
     fraction = _device0_bytes(tree) / _total_bytes(tree)
     print(f'FSDP (1,8,1): device 0 holds {fraction:.4f} of the {name} bytes ({_total_bytes(tree):,} in all)')
@@ -44,7 +45,7 @@ def test_fsdp_holds_an_eighth_per_device(tiny_config, small_model_config):
 
 
 def test_checkpoint_from_one_mesh_restores_on_others(tiny_config, small_model_config, tmp_path):
-  state, _ = partitioning.create_train_state(tiny_config, small_model_config, partitioning.create_mesh((2, 2, 2)),
+  state, _ = train_state.create_train_state(small_model_config, settings.resolve(tiny_config).optimizer, partitioning.create_mesh((2, 2, 2)),
                                              jax.random.key(0))
   manager = checkpointing.create_manager(str(tmp_path), 2)
   checkpointing.save_state(manager, state)
@@ -52,7 +53,7 @@ def test_checkpoint_from_one_mesh_restores_on_others(tiny_config, small_model_co
   expected = jax.device_get(state.params)
   for shape, devices in (((1, 1, 1), jax.devices()[:1]), ((8, 1, 1), jax.devices())):
     mesh = partitioning.create_mesh(shape, devices)
-    target, shardings = partitioning.create_train_state(tiny_config, small_model_config, mesh, jax.random.key(1))
+    target, shardings = train_state.create_train_state(small_model_config, settings.resolve(tiny_config).optimizer, mesh, jax.random.key(1))
     restored = checkpointing.restore_state(manager, 0, target, shardings)
     for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(jax.device_get(restored.params))):
       np.testing.assert_array_equal(a, b)
@@ -100,7 +101,7 @@ def test_heads_and_batch_must_divide_the_mesh(tiny_config, small_model_config, n
   with pytest.raises(ConfigError, match='num_heads=2 is not divisible by the mesh model axis \\(4\\)'):
     partitioning.check_model_fits_mesh(config, partitioning.create_mesh((2, 1, 4)))
   mesh = partitioning.create_mesh((8, 1, 1))
-  state, shardings = partitioning.create_train_state(tiny_config, TransformerConfig.from_config(tiny_config), mesh,
+  state, shardings = train_state.create_train_state(settings.model_settings(tiny_config), settings.resolve(tiny_config).optimizer, mesh,
                                                      jax.random.key(0))
   step = partitioning.jit_train_step(steps.train_step, mesh, shardings)
   with pytest.raises(ConfigError, match='a global batch of 6 rows is not divisible by the data-parallel size 8'):

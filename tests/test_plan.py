@@ -70,7 +70,7 @@ def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
   them on every device, FSDP splits them 8 ways; a memory limit between the two picks FSDP."""
   config = tiny.get_config()
   config.model.vocab_size = 16384
-  config.max_length = 8
+  config.max_train_length = 8
   config.tokens_per_batch = 64
   config.model.scan_unroll = config.model.num_encoder_layers  # one compilation per mesh: memory and FLOPs alike
   config = plan.for_target(config, 'cpu')

@@ -7,13 +7,13 @@ import jax
 import numpy as np
 import pytest
 
+from flax_transformer import settings, train_state
 from flax_transformer import partitioning, steps
-from flax_transformer.model import TransformerConfig
 from tests.conftest import random_batch
 
 
 def make_step(config, model_config, mesh):
-  state, shardings = partitioning.create_train_state(config, model_config, mesh,
+  state, shardings = train_state.create_train_state(model_config, settings.resolve(config).optimizer, mesh,
                                                      jax.random.key(config.seed, impl=config.dropout_rng_impl))
   step = functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
                            gradient_accumulation_steps=config.gradient_accumulation_steps)
@@ -28,7 +28,7 @@ def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
   # Peak 0.016: a smooth descent. At 4× this (peak 0.065) the loss oscillated between 0.5 and 4 and where it
   # stood at step 200 depended on the CPU's vector ISA (AVX-512: 2.07, AVX2: 0.46) through round-off alone.
   tiny_config.learning_rate_factor = 0.5
-  model_config = TransformerConfig.from_config(tiny_config)
+  model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
   state, train_step = make_step(tiny_config, model_config, mesh)
   batch = random_batch(np_rng, 8, 10, 10, model_config.vocab_size)
@@ -47,7 +47,7 @@ def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
 @pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (8, 1, 1)])
 def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_shape):
   tiny_config.model.dropout_rate = 0.0
-  model_config = TransformerConfig.from_config(tiny_config)
+  model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh(mesh_shape, jax.devices()[:np.prod(mesh_shape)])
   batch = random_batch(np_rng, 32, 7, 6, model_config.vocab_size)
   state, train_step = make_step(tiny_config, model_config, mesh)
@@ -63,7 +63,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_sh
 def _token_gathers(tiny_config, np_rng) -> list[str]:
   """The all-gathers of int32 (token) arrays in the compiled k=4 step on an 8-way data-parallel mesh."""
   tiny_config.gradient_accumulation_steps = 4
-  model_config = TransformerConfig.from_config(tiny_config)
+  model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((8, 1, 1))
   state, train_step = make_step(tiny_config, model_config, mesh)
   batch = random_batch(np_rng, 32, 7, 6, model_config.vocab_size)
@@ -84,12 +84,12 @@ def test_accumulation_keeps_each_device_rows(tiny_config, np_rng, monkeypatch):
 def test_fused_output_loss_step_equals_autodiff_step(tiny_config, np_rng, share_embeddings, pre_norm):
   tiny_config.model.share_embeddings, tiny_config.model.pre_norm = share_embeddings, pre_norm
   tiny_config.model.dropout_rate = 0.1  # same masks on both paths
-  model_config = TransformerConfig.from_config(tiny_config)
+  model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
   batch = random_batch(np_rng, 8, 7, 6, model_config.vocab_size)
   results = []
   for fused in (True, False):
-    state, shardings = partitioning.create_train_state(tiny_config, model_config, mesh, jax.random.key(0))
+    state, shardings = train_state.create_train_state(model_config, settings.resolve(tiny_config).optimizer, mesh, jax.random.key(0))
     step = functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1,
                              fused_output_loss=fused)
     results.append(partitioning.jit_train_step(step, mesh, shardings)(state, batch, jax.random.key(1)))
@@ -109,7 +109,7 @@ def _sharded_setup(tiny_config, small_model_config, np_rng):
   # update. Seen with eps 1e-9: 1 of 1024 entries of one kernel off by 1.7e-4 after 2 steps (CI failed on it).
   # With eps 1e-6 such elements move by about lr · g / eps instead, and a mesh's round-off stays small.
   tiny_config.adam_eps = 1e-6
-  return tiny_config, TransformerConfig.from_config(tiny_config), random_batch(np_rng, 8, 9, 7, 64)
+  return tiny_config, settings.model_settings(tiny_config), random_batch(np_rng, 8, 9, 7, 64)
 
 
 def _two_steps(config, model_config, batch, shape):
@@ -154,9 +154,9 @@ def test_sharded_step_equals_single_device(tiny_config, small_model_config, mesh
 
 def _lowered_train_step(tiny_config, dtype, fused):
   tiny_config.model.dtype = dtype
-  model_config = TransformerConfig.from_config(tiny_config)
+  model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  state, shardings = partitioning.create_train_state(tiny_config, model_config, mesh, jax.random.key(0))
+  state, shardings = train_state.create_train_state(model_config, settings.resolve(tiny_config).optimizer, mesh, jax.random.key(0))
   step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1, fused_output_loss=fused),
       mesh, shardings)
@@ -194,7 +194,7 @@ def _window_means(tiny_config, dtype: str, seeds, batches, steps=200, window=25)
   """[len(seeds), steps // window]: mean losses of each window of `steps` steps cycling over `batches`, one run
   per dropout seed, all from the same initial parameters (one compilation for the dtype)."""
   tiny_config.model.dtype = dtype
-  model_config = TransformerConfig.from_config(tiny_config)
+  model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
   initial, train_step = make_step(tiny_config, model_config, mesh)
   curves = []

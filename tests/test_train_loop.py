@@ -14,11 +14,11 @@ import pytest
 import tensorflow_datasets as tfds
 
 from tools import compare_runs
+from flax_transformer import settings, train_state
 from flax_transformer import checkpointing, partitioning, train_loop
 from flax_transformer.errors import WorkdirError
-from flax_transformer.model import TransformerConfig
 from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, subprocess_env, train_command
-from tests.test_input_pipeline import write_corpus
+from tests.helpers.corpus import write_corpus
 
 
 def one_device():
@@ -33,8 +33,8 @@ def small_run(config, tmp_path):
   config.train_source, config.train_target = train_src, train_tgt
   config.eval_source, config.eval_target = eval_src, eval_tgt
   config.num_bucket_boundaries = 1  # few shapes: few compilations
-  config.max_length = 16
-  config.eval_max_length = 16
+  config.max_train_length = 16
+  config.max_eval_length = 16
   config.num_train_steps = 6
   config.checkpoint_every_steps = 3
   config.eval_every_steps = 6
@@ -384,7 +384,7 @@ def test_a_learning_rate_far_too_large_stops_the_run(tiny_config, tmp_path):
 
 def test_restore_moves_aside_only_damage_and_stops_when_every_checkpoint_is_damaged(tiny_config, tmp_path, monkeypatch):
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  state, shardings = partitioning.create_train_state(tiny_config, TransformerConfig.from_config(tiny_config), mesh,
+  state, shardings = train_state.create_train_state(settings.model_settings(tiny_config), settings.resolve(tiny_config).optimizer, mesh,
                                                      jax.random.key(0))
   manager = checkpointing.create_manager(str(tmp_path), 10, asynchronous=False)
   for step in (1, 2):

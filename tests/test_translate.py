@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from flax_transformer import checkpointing
+from flax_transformer import checkpointing, workdirs
 from tests.conftest import ROOT, subprocess_env
 
 
@@ -16,7 +16,7 @@ from tests.conftest import ROOT, subprocess_env
 def trained(trained_run):
   """The suite's shared 12-step tiny run (checkpoints 3, 6, 9, 12) and the config it saved."""
   workdir, _ = trained_run
-  return workdir, checkpointing.read_config(workdir)
+  return workdir, workdirs.read_config(workdir)
 
 
 def _translate(workdir, *flags, stdin=None, cwd=None):

@@ -12,7 +12,7 @@ from flax_transformer.errors import UserError
 from flax_transformer.model import Transformer, TransformerConfig
 from flax_transformer import translator as translator_module
 from flax_transformer.translator import Translator
-from tests.test_input_pipeline import write_corpus
+from tests.helpers.corpus import write_corpus
 
 LINES = ['the cat sat on the mat', 'red house', 'a dog runs fast on the big tree', 'blue', '',
          'the small child sat', 'a woman and a man run slow']
@@ -28,7 +28,7 @@ def translator(tmp_path_factory):
   tokenizer.train_sentencepiece(zip(sources, targets), f'{directory}/spm.model', 64)
   processor = tokenizer.load(f'{directory}/spm.model', 64)
   config = TransformerConfig(vocab_size=64, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
-                             num_decoder_layers=2, max_len=128, share_embeddings=False, dropout_rate=0.0)
+                             num_decoder_layers=2, max_positions=128, share_embeddings=False, dropout_rate=0.0)
   dummy = np.ones((1, 4), np.int32)
   params = nn.meta.unbox(Transformer(config).init(jax.random.key(3), dummy, dummy)['params'])
   return Translator(params, config, processor, beam_size=2, alpha=0.6, max_extra_length=4)

@@ -20,8 +20,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import multi30k  # noqa: E402
+from flax_transformer import settings, train_state
 from flax_transformer import partitioning, steps  # noqa: E402
-from flax_transformer.model import TransformerConfig  # noqa: E402
 
 VARIANTS = {  # name: (config overrides, train_step keyword arguments)
     'configs/multi30k.py': ({}, {}),
@@ -43,9 +43,9 @@ def build(overrides: dict, step_kwargs: dict, batch: int, length: int):
     for part in path:
       node = node[part]
     node[leaf] = value
-  model_config = TransformerConfig.from_config(config)
+  model_config = settings.model_settings(config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  state, shardings = train_state.create_train_state(model_config, settings.resolve(config).optimizer, mesh, jax.random.key(0))
   step = partitioning.jit_train_step(functools.partial(steps.train_step, model_config=model_config,
                                                        label_smoothing=0.1, **step_kwargs), mesh, shardings)
   rng = np.random.default_rng(0)

@@ -19,13 +19,13 @@ flags.DEFINE_integer('lines', 200, 'Sentences used.')
 flags.DEFINE_integer('average_last', None, 'Checkpoints averaged (default: the config\'s average_last).')
 
 
-def ct2_translate(translator, processor, sources, beam_size, alpha, extra, max_len):
+def ct2_translate(translator, processor, sources, beam_size, alpha, extra, max_positions):
   pieces = [processor.encode(s, out_type=str) for s in sources]
   out = [None] * len(sources)
   for length in sorted({len(p) for p in pieces}):  # one length limit per batch: input + extra, as ours
     rows = [i for i, p in enumerate(pieces) if len(p) == length]
     found = translator.translate_batch([pieces[i] for i in rows], beam_size=beam_size, length_penalty=alpha,
-                                       max_decoding_length=min(length + 1 + extra, max_len))
+                                       max_decoding_length=min(length + 1 + extra, max_positions))
     for i, hypothesis in zip(rows, found):
       out[i] = processor.decode_pieces(hypothesis.hypotheses[0])
   return out
@@ -40,7 +40,7 @@ def main(argv):
   sources = parallel_text.read_lines(f.source)[:f.lines]
   references = parallel_text.read_lines(f.reference)[:f.lines]
   ours = Translator.from_workdir(f.workdir, average_last=f.average_last)
-  extra, max_len = ours.max_extra_length, ours.model_config.max_len
+  extra, max_positions = ours.max_extra_length, ours.model_config.max_positions
   rows = []
   with tempfile.TemporaryDirectory() as directory:
     for quantization in ('float32', 'int8'):
@@ -50,8 +50,8 @@ def main(argv):
     rows.append(('ours', None, evaluation.bleu(beam, references)[0]))
     for quantization in ('float32', 'int8'):
       translator = ctranslate2.Translator(f'{directory}/{quantization}', device='cpu')
-      their_greedy = ct2_translate(translator, ours.processor, sources, 1, 0.0, extra, max_len)
-      their_beam = ct2_translate(translator, ours.processor, sources, 4, 0.6, extra, max_len)
+      their_greedy = ct2_translate(translator, ours.processor, sources, 1, 0.0, extra, max_positions)
+      their_beam = ct2_translate(translator, ours.processor, sources, 4, 0.6, extra, max_positions)
       same = sum(a == b for a, b in zip(greedy, their_greedy))
       rows.append((f'CTranslate2 {ctranslate2.__version__} {quantization}', same,
                    evaluation.bleu(their_beam, references)[0]))

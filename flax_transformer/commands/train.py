@@ -21,8 +21,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from flax_transformer import platforms
-  platforms.import_tensorflow_quietly()  # before anything else imports it
+  from flax_transformer import tensorflow_setup
+  tensorflow_setup.import_quietly()  # before anything else imports it
   import jax
   from flax_transformer import cluster, train_loop
   from flax_transformer.errors import UserError

@@ -141,8 +141,8 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
 
 
 def run(f) -> None:
-  from flax_transformer import platforms
-  platforms.import_tensorflow_quietly()
+  from flax_transformer import tensorflow_setup
+  tensorflow_setup.import_quietly()
   import jax
   from flax_transformer import evaluation, parallel_text, storage
   from flax_transformer.translator import Translator
@@ -187,11 +187,11 @@ def run(f) -> None:
     if len(references) != len(translations):
       raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input had '
                                      f'{len(translations)}; give the reference of this input')
-    config = translator.run_config
-    tokenize = f.bleu_tokenize or config.get('bleu_tokenize', '13a')
+    run = translator.settings
+    tokenize = f.bleu_tokenize or run.decode.bleu_tokenize
     score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
-    if config.dataset.startswith('wmt14'):
+    if run.data.dataset.startswith('wmt14'):
       score, label = evaluation.paper_bleu(translations, references)
       print(f'BLEU = {score:.2f} ({label})', file=sys.stderr)
 

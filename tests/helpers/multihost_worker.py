@@ -20,19 +20,19 @@ def three_steps(process_id: int, num_processes: int, order: str = 'process') -> 
   import numpy as np
 
   from configs import tiny
+  from flax_transformer import settings, train_state
   from flax_transformer import partitioning, steps
-  from flax_transformer.model import TransformerConfig
 
   assert jax.device_count() == 8 and jax.process_count() == num_processes
   config = tiny.get_config()
-  model_config = TransformerConfig.from_config(config)
+  model_config = settings.model_settings(config)
   devices = jax.devices()
   if order == 'alternating':  # data index i takes the next two devices of process i % num_processes
     by_process = [[d for d in devices if d.process_index == p] for p in range(num_processes)]
     devices = [by_process[i % num_processes].pop(0) for i in range(4) for _ in range(2)]
   mesh = partitioning.create_mesh((4, 2, 1), devices)
   assert [d.id for d in mesh.devices.flat] == [d.id for d in devices]  # the order asked for
-  state, shardings = partitioning.create_train_state(config, model_config, mesh, jax.random.key(0))
+  state, shardings = train_state.create_train_state(model_config, settings.resolve(config).optimizer, mesh, jax.random.key(0))
   train_step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1), mesh, shardings)
   rng = np.random.default_rng(0)
