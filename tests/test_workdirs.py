@@ -1,0 +1,49 @@
+"""A workdir's checks and its config.json: another run's model or vocabulary refused, compute choices free to
+change, older config.json files read under today's names, a damaged one a one-line error."""
+
+import json
+
+import pytest
+
+from configs import tiny
+from flax_transformer import workdirs
+from flax_transformer.errors import WorkdirError
+
+
+def test_a_workdir_of_another_model_is_refused_and_compute_choices_may_change(tmp_path):
+  config = tiny.get_config()
+  workdirs.check(str(tmp_path), config)  # empty: fine
+  workdirs.write_config(str(tmp_path), config)
+  changed = tiny.get_config()
+  changed.model.dropout_rate, changed.model.dtype, changed.model.attention = 0.3, 'bfloat16', 'explicit'
+  workdirs.check(str(tmp_path), changed)  # how the same network is computed may change on resume
+  changed.model.d_ff = 2 * config.model.d_ff
+  with pytest.raises(WorkdirError, match=rf'holds a run with model.d_ff={config.model.d_ff} but this config has '
+                                         rf'{2 * config.model.d_ff}; use a new --workdir'):
+    workdirs.check(str(tmp_path), changed)
+  other = tiny.get_config()
+  other.target_lang = 'fr'
+  with pytest.raises(WorkdirError, match="holds a run with target_lang='de' but this config has 'fr'"):
+    workdirs.check(str(tmp_path), other)
+
+
+def test_an_older_config_json_reads_under_todays_names_and_resumes(tmp_path):
+  config = tiny.get_config()
+  old = json.loads(config.to_json())
+  old['max_length'] = old.pop('max_train_length')
+  old['model']['max_len'] = old['model'].pop('max_positions')
+  del old['max_skipped_steps']
+  (tmp_path / workdirs.CONFIG_FILENAME).write_text(json.dumps(old))
+  saved = workdirs.read_config(str(tmp_path))
+  assert saved.max_train_length == config.max_train_length and saved.model.max_positions == config.model.max_positions
+  assert saved.max_skipped_steps == 0
+  workdirs.check(str(tmp_path), config)  # the same model under its new names: the run may resume
+
+
+def test_a_damaged_or_missing_config_json_is_a_one_line_error(tmp_path):
+  with pytest.raises(WorkdirError, match='has no config.json; point --workdir at a directory written by train.py'):
+    workdirs.read_config(str(tmp_path))
+  (tmp_path / workdirs.CONFIG_FILENAME).write_text('{"model": {')
+  with pytest.raises(WorkdirError, match=r'config.json is damaged \(.* at line 1\); restore it') as error:
+    workdirs.read_config(str(tmp_path))
+  assert '\n' not in str(error.value)
