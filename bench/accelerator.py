@@ -76,10 +76,15 @@ def time_beam_search(jax, shape: dict, dtype: str, batch: int, source_length: in
   import flax.linen as nn
   import numpy as np
   from decode import cached  # bench/decode.py
-  from flax_transformer.model import Transformer, TransformerConfig
-  config = TransformerConfig(vocab_size=shape['vocab'], d_model=shape['d_model'], num_heads=shape['heads'],
-                             d_ff=shape['d_ff'], num_encoder_layers=shape['layers'],
-                             num_decoder_layers=shape['layers'], max_positions=256, dtype=dtype)
+  from configs import base
+  from flax_transformer import settings
+  from flax_transformer.model import Transformer
+  run_config = base.get_config()
+  m = run_config.model
+  m.vocab_size, m.d_model, m.num_heads, m.d_ff = shape['vocab'], shape['d_model'], shape['heads'], shape['d_ff']
+  m.num_encoder_layers = m.num_decoder_layers = shape['layers']
+  m.max_positions, m.dtype = 256, dtype
+  config = settings.model_settings(run_config)  # attention and dropout masks as a run on this platform chooses
   model = Transformer(config)
   inputs = np.random.default_rng(0).integers(3, shape['vocab'], (batch, source_length)).astype(np.int32)
   params = nn.meta.unbox(model.init(jax.random.key(0), inputs[:1], inputs[:1])['params'])

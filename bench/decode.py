@@ -22,13 +22,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.train_step import matmul_peak  # noqa: E402
-from flax_transformer import decode  # noqa: E402
+from configs import base  # noqa: E402
+from flax_transformer import decode, settings  # noqa: E402
 from flax_transformer.constants import EOS_ID  # noqa: E402
 from flax_transformer.model import Transformer, TransformerConfig  # noqa: E402
 
 BATCH, SOURCE_LENGTH, OUTPUT_LENGTH = 64, 20, 40
 CONFIG = TransformerConfig(vocab_size=8192, d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
                            num_decoder_layers=3, dropout_rate=0.1, max_positions=128)
+TOP_K = settings.resolve(base.get_config()).decode.beam_top_k  # the beam's top-k as a run here would choose it
 
 
 def no_eos(tokens_to_logits):
@@ -47,7 +49,7 @@ def cached(params, inputs, model, beam_size, output_length=OUTPUT_LENGTH):
   if beam_size == 1:
     return decode.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, output_length)[0]
   return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, output_length, beam_size,
-                            reorder_cache=type(model).reorder_cache)[0]
+                            reorder_cache=type(model).reorder_cache, top_k_method=TOP_K)[0]
 
 
 def uncached(params, inputs, model, beam_size):
@@ -64,7 +66,8 @@ def uncached(params, inputs, model, beam_size):
 
   cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, OUTPUT_LENGTH), jnp.int32), 'step': jnp.array(0)}
   lengths = jnp.full((inputs.shape[0],), OUTPUT_LENGTH)
-  return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size)[0]
+  return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size,
+                            top_k_method=TOP_K)[0]
 
 
 def decode_flops(beam_size: int, c: TransformerConfig = CONFIG) -> float:
