@@ -88,6 +88,8 @@ def test_ctranslate2_greedy_gives_our_tokens(workdir, tmp_path):
 
 
 @pytest.mark.slow
+# One architecture: quantization and the request's checks do not depend on it (the greedy test covers both).
+@pytest.mark.parametrize('workdir', [(False, True)], indirect=True, ids=['post_ln_shared'])
 def test_int8_export_and_bad_requests(workdir, tmp_path):
   directory, sources, _ = workdir
   assert _export(directory, tmp_path / 'int8', '--quantization=int8').returncode == 0
