@@ -37,29 +37,31 @@ def check(wanted: str) -> None:
                       f"or set --config.platform=''")
 
 
-def dropout_masks(platform: str | None = None) -> str:
-  return 'hash' if (platform or current()) == 'cpu' else 'random'
+def dropout_masks(platform: str) -> str:
+  return 'hash' if platform == 'cpu' else 'random'
 
 
-def fused_output_loss(value: str, platform: str | None = None) -> bool:
+def fused_output_loss(value: str, platform: str) -> bool:
   """config.output_loss: 'fused' -> True, 'optax' -> False, 'auto' -> fused on CPU only."""
   if value == 'auto':
-    return (platform or current()) == 'cpu'
+    return platform == 'cpu'
   if value not in OUTPUT_LOSS:
     raise ConfigError(f"config.output_loss={value!r}: unknown value; use one of {', '.join(OUTPUT_LOSS)}, 'auto'")
   return value == 'fused'
 
 
-def top_k(value: str, platform: str | None = None) -> str:
+def top_k(value: str, platform: str) -> str:
+  """config.beam_top_k: 'auto' -> 'two_stage' on CPU only, else as given."""
   if value == 'auto':
-    return 'two_stage' if (platform or current()) == 'cpu' else 'lax'
+    return 'two_stage' if platform == 'cpu' else 'lax'
   if value not in TOP_K:
     raise ConfigError(f"config.beam_top_k={value!r}: unknown value; use one of {', '.join(TOP_K)}, 'auto'")
   return value
 
 
-def attention(dtype: str, head_size: int, platform: str | None = None) -> str:
-  """cuDNN's flash attention takes bf16/fp16 with head sizes that are multiples of 8 up to 128."""
-  if (platform or current()) == 'gpu' and dtype == 'bfloat16' and head_size % 8 == 0 and head_size <= 128:
+def attention(dtype: str, head_size: int, platform: str) -> str:
+  """config.model.attention='auto': cuDNN's flash attention takes bf16/fp16 with head sizes that are multiples
+  of 8 up to 128."""
+  if platform == 'gpu' and dtype == 'bfloat16' and head_size % 8 == 0 and head_size <= 128:
     return 'cudnn'
   return 'xla'

@@ -144,30 +144,32 @@ def _fail(field: str, value, why: str) -> typing.NoReturn:
   raise ConfigError(f'config.{field}={value!r}: {why}')
 
 
+def _value(field: dataclasses.Field, config: ml_collections.ConfigDict):
+  """The config's value of a stage field, checked against the field's type (ints taken as floats, lists as tuples)."""
+  value, kind = config[field.name], field.type
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if kind is tuple and isinstance(value, list):
+    value = tuple(value)
+  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    _fail(field.name, value, f'must be {"an" if kind is int else "a"} {kind.__name__}')
+  return value
+
+
 def _typed(cls, config: ml_collections.ConfigDict, **given):
-  """cls built from the config's fields of the same names (`given` first), each checked against its type."""
-  values = {}
-  for field in dataclasses.fields(cls):
-    if field.name in given:
-      values[field.name] = given[field.name]
-      continue
-    value, kind = config[field.name], field.type
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-      value = float(value)
-    if kind is tuple and isinstance(value, list):
-      value = tuple(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-      _fail(field.name, value, f'must be {"an" if kind is int else "a"} {kind.__name__}')
-    values[field.name] = value
-  return cls(**values)
+  """cls built from the config's fields of the same names (`given` first)."""
+  return cls(**{f.name: given[f.name] if f.name in given else _value(f, config) for f in dataclasses.fields(cls)})
+
+
+STAGES = (DataSettings, OptimizerSettings, DecodeSettings, LoopSettings, ClusterSettings)
+DERIVED = ('vocab_size', 'fused_output_loss')  # stage fields that are not config fields of that name
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """Every field of the run config is there and can work (the model's own checks: TransformerConfig); nothing
-  here touches JAX, so it runs before a multi-process start."""
-  stages = (DataSettings, OptimizerSettings, DecodeSettings, LoopSettings, ClusterSettings)
-  for name in sorted({f.name for stage in stages for f in dataclasses.fields(stage)} - {'vocab_size', 'fused_output_loss'}
-                     | {'output_loss', 'dataset', 'model'}):
+  """Every field of the run config is there, of its type, and can work (the model's own checks:
+  TransformerConfig); nothing here touches JAX, so it runs before a multi-process start."""
+  fields = [f for stage in STAGES for f in dataclasses.fields(stage) if f.name not in DERIVED]
+  for name in sorted({f.name for f in fields} | {'output_loss', 'model'}):
     if name not in config:
       raise ConfigError(f'config.{name} is missing; add it to the config (configs/base.py sets every field)')
   for field in ('num_train_steps', 'checkpoint_every_steps', 'eval_every_steps', 'log_every_steps',
@@ -180,6 +182,8 @@ def check(config: ml_collections.ConfigDict) -> None:
                 'average_last', 'process_id'):
     if not isinstance(config[field], int) or isinstance(config[field], bool) or config[field] < 0:
       _fail(field, config[field], 'must be a non-negative integer')
+  for field in fields:  # the type of every other field, before its value is compared
+    _value(field, config)
   if not isinstance(config.cooldown_steps, int) or not 0 <= config.cooldown_steps <= config.num_train_steps:
     _fail('cooldown_steps', config.cooldown_steps,
           f'must be an integer from 0 (no cooldown) to config.num_train_steps={config.num_train_steps}')

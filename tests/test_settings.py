@@ -59,6 +59,7 @@ def test_stage_settings_are_frozen_and_carry_the_config_values():
     ('beam_size', True, 'config.beam_size=True: must be a positive integer'),
     ('max_extra_length', -1, 'config.max_extra_length=-1: must be a non-negative integer'),
     ('label_smoothing', 1.0, r'config.label_smoothing=1.0: must be in \[0, 1\)'),
+    ('label_smoothing', '0.1', "config.label_smoothing='0.1': must be a float"),
     ('adam_eps', 0.0, 'config.adam_eps=0.0: must be positive'),
     ('bleu_tokenize', 'moses', "config.bleu_tokenize='moses': must be one of 13a"),
     ('output_loss', 'fast', "config.output_loss='fast': must be one of fused, optax, auto"),
