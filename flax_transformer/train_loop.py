@@ -1,6 +1,7 @@
-"""`train_and_evaluate(config, workdir)`: `set_up` (checks, mesh, vocabulary, state resumed from the newest
-good checkpoint, data, jitted steps), then `_train`, a loop that only orchestrates batches, the pure step
-and hooks (MetricsLog, Saver, Evaluator, Progress, LossGuard).
+"""`train_and_evaluate(config, workdir)`: `set_up` (the config read once by settings.py, cluster, checks, mesh,
+vocabulary, state resumed from the newest good checkpoint, data, jitted steps), then `_train`, a loop that only
+orchestrates batches, the pure step and hooks (MetricsLog, Saver, Evaluator, Progress, LossGuard) in the order
+its docstring lists.
 
 Hooks: progress line and TensorBoard every `log_every_steps`, validation loss/perplexity/accuracy and
 BLEU on a validation sample every `eval_every_steps`, an Orbax checkpoint (with each process's
