@@ -68,7 +68,6 @@ class DataSettings:
   bucket_shapes: str
   gradient_accumulation_steps: int
   seed: int
-  restore_data_state: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +108,6 @@ class LoopSettings:
   loss_spike_steps: int
   label_smoothing: float
   gradient_accumulation_steps: int
-  tokens_per_batch: int
   seed: int
   dropout_rng_impl: str
   restore_data_state: bool
