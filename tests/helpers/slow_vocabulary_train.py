@@ -18,10 +18,10 @@ from flax_transformer import tokenizer  # noqa: E402
 _train_or_load = tokenizer.train_or_load
 
 
-def slow_train_or_load(config, workdir, corpus):
+def slow_train_or_load(data, workdir, corpus):
   if corpus is not None:  # only the process that trains the vocabulary is handed the corpus
     time.sleep(float(os.environ['SLOW_VOCABULARY_SECONDS']))
-  return _train_or_load(config, workdir, corpus)
+  return _train_or_load(data, workdir, corpus)
 
 
 tokenizer.train_or_load = slow_train_or_load
