@@ -1,4 +1,4 @@
-"""Training batches and their batching: the tfds WMT14 path (mocked), text files, sharding; bucketing invariants."""
+"""Training batches and their batching: the tfds WMT14 path (mocked), text files, sharding, resumption."""
 
 import json
 
@@ -9,6 +9,7 @@ import tensorflow_datasets as tfds
 
 from flax_transformer import bucketing, input_pipeline, parallel_text, settings, token_table, tokenizer
 from tests.helpers.corpus import write_corpus
+
 
 def one_process_batches(config, vocab_path, data_parallel_size=1, **kwargs):
   """The training batches of a one-process run: one shard, its own histogram."""
@@ -144,23 +145,7 @@ def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path,
   assert min(real) > 0.7 * max(real)  # both shards contribute real rows, not padding
 
 
-def test_bucket_boundaries_minimise_padding():
-  rng = np.random.default_rng(0)
-  lengths = np.concatenate([rng.integers(5, 12, 500), rng.integers(20, 26, 300), [40]])
-  histogram = np.bincount(lengths, minlength=101)
-  boundaries = bucketing.bucket_boundaries(histogram, 3)
-  assert boundaries[-1] == 40  # the longest pair present
-
-  def padding(bounds):
-    padded = np.asarray(bounds)[np.searchsorted(bounds, lengths)]
-    return int((padded - lengths).sum())
-  # Exhaustive check of the DP: no other 3 boundaries ending at 40 pad less.
-  best = min(padding([a, b, 40]) for a in range(1, 40) for b in range(a + 1, 40))
-  assert padding(boundaries) == best
-  assert bucketing.bucket_boundaries(np.bincount([7, 7, 9], minlength=20), 5) == [7, 9]  # no more than needed
-
-
-def test_batch_plan_weights_shapes_by_batches_per_epoch(files_config, vocab):
+def test_batching_weights_shapes_by_batches_per_epoch(files_config, vocab):
   _, path = vocab
   files_config.max_train_length = 64
   stream = one_process_batches(files_config, path, seed=0)
