@@ -256,8 +256,8 @@ class MultiHeadAttention(nn.Module):
     def param(name, shape, axes, init):
       return self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
     def projection(parts):  # kernel [e, (len(parts),) h, d], bias [(len(parts),) h, d]; one part is not stacked
-      stack, axes = ((len(parts),), ('qkv',)) if len(parts) > 1 else ((), ())
-      return (param(f'{parts}_kernel', (e, *stack, h, d), ('embed', *axes, 'heads', 'kv'), projection_init(stack and (1,))),
+      stack, axes, batch = ((len(parts),), ('qkv',), (1,)) if len(parts) > 1 else ((), (), ())
+      return (param(f'{parts}_kernel', (e, *stack, h, d), ('embed', *axes, 'heads', 'kv'), projection_init(batch)),
               param(f'{parts}_bias', (*stack, h, d), (*axes, 'heads', 'kv'), zeros))
     self.projections = {parts: projection(parts) for parts in (['qkv'] if self.self_attention else ['q', 'kv'])}
     self.out_kernel = param('out_kernel', (h, d, e), ('heads', 'kv', 'embed'),

@@ -59,7 +59,7 @@ class TransformerConfig:
       fail('dtype', f'unknown value; use one of {sorted(_DTYPES)}')
     for field, choices in (('dropout_masks', platforms.DROPOUT_MASKS), ('attention', platforms.ATTENTION)):
       if getattr(self, field) not in choices:  # 'auto' is made by settings.model_settings for a platform
-        fail(field, f"unknown value; use one of {', '.join(choices)} (a run config's 'auto' is resolved by settings.py)")
+        fail(field, f"unknown value; use one of {', '.join(choices)}, or 'auto' in a run config")
     for field in ('pre_norm', 'learned_positions', 'share_embeddings'):
       if not isinstance(getattr(self, field), bool):
         fail(field, 'must be True or False')

@@ -102,7 +102,8 @@ def for_target(config, target: str):
 
 
 def _compiled_step(config, mesh):
-  """The train step for the config's longest batch, compiled for `mesh`; returns (compiled, abstract state, batch shape)."""
+  """The train step for the config's longest batch, compiled for `mesh`; returns (compiled, abstract state, batch
+  shape, model config)."""
   run = settings.resolve(config)
   rows, source_length, target_length = longest_batch_shape(config, partitioning.data_parallel_size(mesh))
   state, shardings = train_state.abstract_train_state(run.model, run.optimizer, mesh)
@@ -116,7 +117,7 @@ def _compiled_step(config, mesh):
            'targets': jax.ShapeDtypeStruct((rows, target_length), jnp.int32, sharding=batch_sharding)}
   with partitioning.mesh_context(mesh):
     compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=run.loop.dropout_rng_impl)).compile()
-  return compiled, state, (rows, source_length, target_length)
+  return compiled, state, (rows, source_length, target_length), run.model
 
 
 def compile_step(config, mesh_shape) -> dict:
@@ -126,18 +127,17 @@ def compile_step(config, mesh_shape) -> dict:
   come from a second compilation with the layer scan unrolled (each layer counted as it runs).
   """
   mesh = partitioning.create_mesh(mesh_shape)
-  compiled, state, (rows, source_length, target_length) = _compiled_step(config, mesh)
+  compiled, state, (rows, source_length, target_length), model_config = _compiled_step(config, mesh)
   memory = compiled.memory_analysis()
   layers = max(config.model.num_encoder_layers, config.model.num_decoder_layers)
   if config.model.scan_unroll < layers:
     unrolled = config.copy_and_resolve_references()
     with unrolled.unlocked():
       unrolled.model.scan_unroll = layers
-    compiled, _, _ = _compiled_step(unrolled, mesh)
+    compiled, *_ = _compiled_step(unrolled, mesh)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   devices = mesh.devices.size
-  model_config = settings.model_settings(config)
   return {
       'mesh': dict(mesh.shape), 'devices': devices, 'rows': rows, 'source_length': source_length,
       'target_length': target_length, 'tokens_per_step': rows * (source_length + target_length),

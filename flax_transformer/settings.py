@@ -18,7 +18,7 @@ import typing
 
 import ml_collections
 
-from flax_transformer import bucketing, optim, platforms
+from flax_transformer import bucketing, evaluation, optim, platforms, tokenizer
 from flax_transformer.errors import ConfigError
 from flax_transformer.model import TransformerConfig
 
@@ -37,8 +37,6 @@ ADDED = {
     'num_processes': 1, 'process_id': 0, 'heartbeat_timeout_seconds': 30, 'shutdown_timeout_seconds': 60,
     'model.dropout_masks': 'auto', 'model.attention': 'auto', 'model.scan_unroll': 1,
 }
-VOCAB_TYPES = ('bpe', 'unigram')
-BLEU_TOKENIZERS = ('13a', 'intl', 'zh', 'ja-mecab', 'ko-mecab', 'char', 'flores101', 'flores200', 'none')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +183,9 @@ def check(config: ml_collections.ConfigDict) -> None:
   if not isinstance(config.cooldown_steps, int) or not 0 <= config.cooldown_steps <= config.num_train_steps:
     _fail('cooldown_steps', config.cooldown_steps,
           f'must be an integer from 0 (no cooldown) to config.num_train_steps={config.num_train_steps}')
-  for field, choices in (('lr_decay', optim.LR_DECAYS), ('vocab_type', VOCAB_TYPES),
+  for field, choices in (('lr_decay', optim.LR_DECAYS), ('vocab_type', tokenizer.VOCAB_TYPES),
                          ('output_loss', platforms.OUTPUT_LOSS + ('auto',)),
-                         ('beam_top_k', platforms.TOP_K + ('auto',)), ('bleu_tokenize', BLEU_TOKENIZERS),
+                         ('beam_top_k', platforms.TOP_K + ('auto',)), ('bleu_tokenize', evaluation.BLEU_TOKENIZERS),
                          ('dropout_rng_impl', ('rbg', 'unsafe_rbg', 'threefry2x32'))):
     if config[field] not in choices:
       _fail(field, config[field], f'must be one of {", ".join(choices)}')
@@ -225,11 +223,7 @@ def model_settings(config: ml_collections.ConfigDict, platform: str | None = Non
   unknown = sorted(set(model) - fields)
   if unknown:
     raise ConfigError(f'config.model.{unknown[0]}: unknown field; known fields are {sorted(fields)}')
-  values = dict(model)
-  for field, choices in (('dropout_masks', platforms.DROPOUT_MASKS), ('attention', platforms.ATTENTION)):
-    if values.get(field, 'auto') not in choices + ('auto',):
-      raise ConfigError(f"config.model.{field}={values[field]!r}: unknown value; use one of "
-                        f"{', '.join(choices + ('auto',))}")
+  values = dict(model)  # other values of these two fields: TransformerConfig's one-line error
   if values.get('dropout_masks', 'auto') == 'auto':
     values['dropout_masks'] = platforms.dropout_masks(platform)
   if values.get('attention', 'auto') == 'auto':

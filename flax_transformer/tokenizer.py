@@ -20,6 +20,7 @@ if TYPE_CHECKING:
   from flax_transformer.settings import DataSettings
 
 VOCAB_FILENAME = 'sentencepiece.model'
+VOCAB_TYPES = ('bpe', 'unigram')  # SentencePiece model types (config.vocab_type)
 
 
 class VocabularyError(UserError):
@@ -38,7 +39,7 @@ def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size:
                         sample_sentences: int = 4_000_000) -> str:
   """Trains one model on both languages and writes it atomically to `path`: SentencePiece reads every
   sentence of `pairs` and trains on a uniform sample of `sample_sentences` of them (all, if fewer)."""
-  if model_type not in ('bpe', 'unigram'):
+  if model_type not in VOCAB_TYPES:
     raise VocabularyError(f"config.vocab_type={model_type!r}: use 'bpe' or 'unigram'")
   storage.path(path).parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory() as scratch:
