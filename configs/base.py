@@ -78,6 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 100
   config.bleu_tokenize = '13a'  # sacreBLEU tokenizer for eval and translate.py --reference ('none': pre-tokenized).
   config.num_eval_bleu_sentences = 256  # Validation sentences translated for BLEU at each eval (0: none).
+  config.storage_timeout_seconds = 300  # A checkpoint save or metrics write still unfinished after this stops the run.
 
   # --- Decoding (§6.1) ---
   config.beam_size = 4
@@ -93,6 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.coordinator_address = ''  # host:port of process 0, e.g. '10.0.0.1:1234'.
   config.num_processes = 1
   config.process_id = 0
+  config.initialization_timeout_seconds = 300  # how long the processes have to start and find each other.
   config.heartbeat_timeout_seconds = 30  # a process silent this long is dead: every other one stops, naming it.
   config.shutdown_timeout_seconds = 60  # how long an exiting process waits for the others at the end.
   return config

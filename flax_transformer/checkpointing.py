@@ -119,6 +119,10 @@ class CheckpointDamaged(UserError):
   """No checkpoint of the workdir can be restored."""
 
 
+class CheckpointOfAnotherKind(UserError):
+  """A whole checkpoint that is not what the caller needs: parameters only, or another model's."""
+
+
 class CheckpointRestoreFailed(UserError):
   """A checkpoint could not be read for a reason other than damage (storage unreachable, out of memory)."""
 
@@ -142,7 +146,18 @@ def is_damage(error: BaseException) -> bool:
   return False
 
 
-def _reason(error: BaseException) -> str:
+_STATUS = re.compile(r'^[A-Z][A-Z_]{3,}: ')  # TensorStore's and absl's status codes: DATA_LOSS: ..., NOT_FOUND: ...
+
+
+def reason(error: BaseException) -> str:
+  """One line of what went wrong: the innermost error that states a status (TensorStore's own words, not the
+  wrappers around them), else `error` itself."""
+  chain = [error]
+  while chain[-1].__cause__ or chain[-1].__context__:
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  stated = next((e for e in reversed(chain) if _STATUS.match(str(e))), None)
+  if stated is not None:
+    return (str(stated).splitlines() or [''])[0][:200]
   return f'{type(error).__name__}: {(str(error).splitlines() or [""])[0][:160]}'
 
 
@@ -154,6 +169,50 @@ def _set_aside(path) -> str:
     target = storage.path(f'{path}.corrupt.{n}')
   storage.move(path, target)
   return os.fspath(target)
+
+
+def saved_items(step_directory) -> list[str] | None:
+  """The items a finished checkpoint was saved with (its Orbax metadata); None if that cannot be read (restoring
+  it then tells whether it is damaged)."""
+  try:
+    return sorted(json.loads((storage.path(step_directory) / '_CHECKPOINT_METADATA').read_text())['item_handlers'])
+  except Exception:  # a missing or damaged metadata file: the restore that follows says what it is
+    return None
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  return {'/'.join(str(getattr(k, 'key', k)) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def other_model(step_directory, abstract_params) -> str | None:
+  """How the parameters saved at `step_directory` differ from `abstract_params` (the first parameter whose shape
+  differs, both shapes), or None: the same shapes, or metadata that cannot be read (restoring then tells)."""
+  try:
+    saved = _shapes(ocp.StandardCheckpointHandler().metadata(storage.path(step_directory) / 'params'))
+  except Exception:
+    return None
+  expected = _shapes(abstract_params)
+  for name in sorted(set(saved) | set(expected)):
+    if saved.get(name) != expected.get(name):
+      shape = lambda s: 'absent' if s is None else f'of shape {s}'
+      return f'parameter {name} {shape(saved.get(name))} where this model has it {shape(expected.get(name))}'
+  return None
+
+
+def check_kind(step_directory, abstract_params, training_state: bool, workdir) -> None:
+  """Refuses, in one line, a whole checkpoint that is not of the kind asked for: `training_state` needs an
+  optimizer state beside the parameters (an averaged workdir holds parameters only), and the parameters must
+  be of this model. Such a checkpoint is not damaged and is left where it is."""
+  items, step = saved_items(step_directory), storage.path(step_directory).name
+  if training_state and items is not None and 'params' in items and 'opt_state' not in items:
+    raise CheckpointOfAnotherKind(
+        f'checkpoint {step} in {workdir} holds parameters only (an averaged model), not a training state; '
+        f'translate with it, or train from it in a new workdir with --config.init_from={workdir}')
+  difference = other_model(step_directory, abstract_params)
+  if difference:
+    raise CheckpointOfAnotherKind(f'checkpoint {step} in {workdir} holds another model ({difference}); it is left '
+                                  f'as it is: use the config it was trained with, or a new --workdir')
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_data_state: bool = True):
@@ -176,6 +235,13 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
                                     f'must be one storage location every process reads (e.g. gs://...)')
     if step is None:
       break
+    path = storage.path(manager.directory) / str(step)
+    try:
+      check_kind(path, state.params, True, storage.path(manager.directory).parent)
+      kind_error = None
+    except CheckpointOfAnotherKind as error:
+      kind_error = error
+    cluster.agree(f'restore/{step}/{len(set_aside)}/kind', kind_error)
     outcome, restored = '', None
     for attempt in range(RESTORE_ATTEMPTS):
       try:
@@ -186,12 +252,11 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
       except UserError:
         raise
       except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
-        outcome = ('damaged: ' if is_damage(error) else 'failed: ') + _reason(error)
+        outcome = ('damaged: ' if is_damage(error) else 'failed: ') + reason(error)
         if outcome.startswith('damaged') or attempt == RESTORE_ATTEMPTS - 1:
           break
         time.sleep(2 ** attempt)
     outcomes = cluster.agree(f'restore/{step}/{len(set_aside)}', value=outcome)
-    path = storage.path(manager.directory) / str(step)
     failed = [(p, o) for p, o in enumerate(outcomes) if o.startswith('failed')]
     if failed:
       where = f' on process {failed[0][0]}' if len(outcomes) > 1 else ''
@@ -216,6 +281,15 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
   return state, None, None
 
 
+def remove_partial(workdir, step: int) -> bool:
+  """Removes what a failed save of `step` left (Orbax's temporary folder); whether there was any."""
+  folder, removed = checkpoint_dir(workdir), False
+  for partial in folder.glob(f'{step}.orbax-checkpoint-tmp*'):
+    partial.rmtree() if partial.is_dir() else partial.unlink()
+    removed = True
+  return removed
+
+
 def _checkpoints_folder(directory: str):
   """The checkpoints/ folder of `directory` (a workdir or that folder), absolute (Orbax takes no other)."""
   directory = storage.path(directory)
@@ -237,6 +311,7 @@ def restore_params(directory: str, step: int, abstract_params, shardings=None):
   replication over all local devices.
   """
   directory = _checkpoints_folder(directory)
+  check_kind(directory / str(step), abstract_params, False, directory.parent)
   if shardings is None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ('replica',))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -247,6 +322,29 @@ def restore_params(directory: str, step: int, abstract_params, shardings=None):
   return restored['params']
 
 
+class CheckpointUnreadable(UserError):
+  """One checkpoint whose files are damaged (the workdir's other checkpoints may still be read)."""
+
+
+def readable_params(directory: str, step: int, abstract_params, where: str):
+  """restore_params; a damaged checkpoint is a CheckpointUnreadable naming the damage (and is left as it is:
+  reading a run changes nothing in it); so is another model's (CheckpointOfAnotherKind). A read that fails for
+  another reason (the storage, memory) is retried, then a CheckpointRestoreFailed."""
+  for attempt in range(RESTORE_ATTEMPTS):
+    try:
+      return restore_params(directory, step, abstract_params)
+    except UserError:
+      raise
+    except Exception as error:
+      if is_damage(error):
+        raise CheckpointUnreadable(f'checkpoint {step} in {where} is damaged ({reason(error)})') from None
+      if attempt == RESTORE_ATTEMPTS - 1:
+        raise CheckpointRestoreFailed(f'checkpoint {step} in {where} could not be read ({reason(error)}) after '
+                                      f'{RESTORE_ATTEMPTS} attempts; rerun once the storage (or memory) problem is '
+                                      f'fixed') from None
+      time.sleep(2 ** attempt)
+
+
 def average_params(params_list):
   """Element-wise mean of parameter trees (§6.1 checkpoint averaging), accumulated in float32."""
   total = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params_list[0])
@@ -255,9 +353,11 @@ def average_params(params_list):
   return jax.tree_util.tree_map(lambda x: x / len(params_list), total)
 
 
-def save_params(directory: str, step: int, params) -> None:
-  """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model)."""
+def save_params(directory: str, step: int, params, averaged_steps: list[int] | None = None) -> None:
+  """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model, whose
+  `averaged_steps` go into the checkpoint's metadata)."""
   options = ocp.CheckpointManagerOptions(create=True)
+  metadata = {'averaged_steps': list(averaged_steps)} if averaged_steps else None
   with ocp.CheckpointManager(storage.path(directory), options=options) as manager:
-    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), custom_metadata=metadata)
     manager.wait_until_finished()

@@ -85,12 +85,36 @@ def detect(cluster_settings: 'ClusterSettings', environ: Mapping[str, str] | Non
 
 
 def start(cluster_settings: 'ClusterSettings') -> ClusterStart:
-  """Starts jax.distributed as `detect` says (once per process; before anything asks JAX for devices)."""
+  """Starts jax.distributed as `detect` says (once per process; before anything asks JAX for devices). Processes
+  that have not all joined within config.initialization_timeout_seconds stop with one line naming who is
+  missing (JAX itself would abort the process a minute later with a C++ stack dump)."""
   found = detect(cluster_settings)
   if found.arguments is not None and not jax.distributed.is_initialized():
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # collectives of CPU devices (tests, CPU clusters)
-    jax.distributed.initialize(**found.arguments)
+    seconds = cluster_settings.initialization_timeout_seconds
+    watchdog = threading.Timer(seconds, _not_joined, (found, cluster_settings))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+      jax.distributed.initialize(**found.arguments, initialization_timeout=seconds + 60)
+    finally:
+      watchdog.cancel()
   return found
+
+
+def _not_joined(found: ClusterStart, cluster_settings: 'ClusterSettings') -> None:
+  """The line and exit of a process whose run's processes did not all join in time."""
+  seconds, address = cluster_settings.initialization_timeout_seconds, cluster_settings.coordinator_address
+  if address:
+    count, index = cluster_settings.num_processes, cluster_settings.process_id
+    others = f'process {1 - index}' if count == 2 else f'one or more of the other {count - 1} processes'
+    where = (f'waiting as the coordinator at {address}' if index == 0 else
+             f'its coordinator at {address} is not answering')
+    _stop(f'process {index} of {count}: {others} did not join within {seconds} s ({where}); start all {count} '
+          f'processes of the run (config.process_id 0 to {count - 1}) with --config.coordinator_address={address}, '
+          f'or raise config.initialization_timeout_seconds')
+  _stop(f'the processes of this {found.kind} run did not all join within {seconds} s; start every process of the '
+        f'job, or raise config.initialization_timeout_seconds')
 
 
 # --- One failure stops every process ----------------------------------------------------------
@@ -170,10 +194,17 @@ def stop_all(message: str) -> None:
   line = f'process {_watch.process} of {_watch.count}: {message}'
   try:
     _watch.client.key_value_set(f'{_KEYS}/error/{_watch.process}', message.replace('\n', ' '), True)
-    time.sleep(3.0)  # the others read it within a second; the coordination service lives in process 0
+    time.sleep(3.0)  # the others read it within a second; the coordination service lives in process 0 (leave_last)
   except Exception:
     pass
   _stop(line)
+
+
+def leave_last() -> None:
+  """Before process 0 exits on an error every process met: the others exit first, since the coordination
+  service they are connected to lives in process 0 (their exit would otherwise be an abort of JAX's client)."""
+  if jax.process_count() > 1 and jax.process_index() == 0:
+    time.sleep(3.0)
 
 
 def stop_all_after_failure(error: Exception) -> None:
@@ -207,6 +238,21 @@ def agree(name: str, error: Exception | None = None, value: str = '') -> list[st
     p, first = failed[0]
     raise ProcessError(p, count, first, error if failed[0][0] == process else None)
   return [v for _, v in posted]
+
+
+def check_same(name: str, values: dict) -> None:
+  """Every process holds the same flat `values` (e.g. settings.comparable's config), or every process raises one
+  ProcessError naming the first field that differs from process 0's."""
+  if jax.process_count() == 1:
+    return
+  posted = [json.loads(v) for v in agree(name, value=json.dumps(values, sort_keys=True, default=str))]
+  for process, other in enumerate(posted[1:], 1):
+    differing = sorted(k for k in set(posted[0]) | set(other) if posted[0].get(k) != other.get(k))
+    if differing:
+      key = differing[0]
+      raise ProcessError(process, len(posted), f'config.{key}={other.get(key)!r} but process 0 has '
+                         f'{posted[0].get(key)!r} ({len(differing)} field(s) differ); start every process of a run '
+                         f'with the same config (only config.process_id differs)')
 
 
 AGREE_TIMEOUT_MS = 4 * 3600 * 1000  # as long as the slowest process may take to get there (the vocabulary)

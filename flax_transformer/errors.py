@@ -14,3 +14,7 @@ class ConfigError(UserError):
 
 class WorkdirError(UserError):
   """A workdir that cannot be used as asked (unwritable, or holding another model)."""
+
+
+class ArgumentError(UserError, TypeError):
+  """A library call given a value of the wrong type (a string where a list of strings is asked, say)."""

@@ -14,16 +14,18 @@ other tokens' probabilities as they were, up to the negligible mass the model pu
 CTranslate2's length penalty divides by length^α rather than GNMT's ((5 + length) / 6)^α, so beam
 results can differ slightly; greedy search gives the same tokens. `--quantization=int8` (or int8_float32,
 int16, float16, ...) stores weights in that type. Needs the `serve` extra: pip install '.[serve]'.
+The program: python -m flax_transformer.export (commands/export.py).
 """
 
-import os
-import sys
+if __name__ == '__main__':  # python -m flax_transformer.export: the program, before anything imports TensorFlow
+  from flax_transformer.commands.export import console
+  console()
 
-import numpy as np
+import numpy as np  # noqa: E402
 
-from flax_transformer import storage
-from flax_transformer.layers import without_key_bias
-from flax_transformer.errors import UserError, WorkdirError
+from flax_transformer import storage  # noqa: E402
+from flax_transformer.layers import without_key_bias  # noqa: E402
+from flax_transformer.errors import UserError  # noqa: E402
 
 POSITION_ROWS = 1024  # the shortest position table exported
 PAD_BIAS = -1e4  # keeps CTranslate2 from emitting <pad>, as our search never does
@@ -116,7 +118,8 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
            average_last: int | None = None, overwrite: bool = False) -> list[int]:
   """Writes the model of `workdir` to the CTranslate2 folder `output`; returns the checkpoint steps used.
 
-  Written to a folder beside `output`, then renamed into place: `output` is never half-written.
+  `output` may not be, hold or sit inside the workdir; it is written beside and swapped in when complete
+  (storage.staged_directory): never half-written, and a previous `output` is replaced only then.
   """
   try:
     import ctranslate2  # noqa: F401
@@ -127,9 +130,8 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
                     f'{", ".join(QUANTIZATIONS)}')
   if storage.is_url(output):
     raise UserError(f'--output={output}: CTranslate2 writes to a local folder; export there, then copy it')
-  output = os.path.abspath(output)
-  if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)) and not overwrite:
-    raise WorkdirError(f'{output} exists and is not empty; choose a new --output or pass --overwrite to replace it')
+  storage.check_output(f'--output={output}', output, {'the workdir': workdir})
+  storage.check_replaceable('--output', output, overwrite)
   from flax_transformer.translator import Translator
   translator = Translator.from_workdir(workdir, step, average_last)
   import jax
@@ -138,48 +140,6 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
   spec = model_spec(params, translator.model_config, pieces)
   spec.validate()
   spec.optimize(quantization=None if quantization == 'float32' else quantization)
-  staging = f'{os.path.dirname(output)}/.{os.path.basename(output)}.partial.{os.getpid()}'
-  os.makedirs(staging)
-  try:
-    spec.save(staging)
-    if os.path.exists(output):
-      import shutil
-      shutil.rmtree(output)
-    os.rename(staging, output)
-  except BaseException:
-    import shutil
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
+  with storage.staged_directory(output) as staging:
+    spec.save(str(staging))
   return list(translator.checkpoints)
-
-
-def main(argv):
-  from absl import flags, logging
-  del argv
-  f = flags.FLAGS
-  if not f['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    steps = export(f.workdir, f.output, f.quantization, f.step, f.average_last, f.overwrite)
-  except UserError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(1)
-  print(f'exported checkpoint(s) {steps} of {f.workdir} to {os.path.abspath(f.output)} ({f.quantization})')
-
-
-def console():
-  from absl import app, flags
-  flags.DEFINE_string('workdir', None, 'Training (or averaged) workdir.')
-  flags.DEFINE_string('output', None, 'Folder for the CTranslate2 model.')
-  flags.DEFINE_string('quantization', 'float32', f'Weight type: {", ".join(QUANTIZATIONS)}.')
-  flags.DEFINE_integer('step', None, 'Export this checkpoint step alone.')
-  flags.DEFINE_integer('average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
-  flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --output (once the new model is written).')
-  flags.mark_flags_as_required(['workdir', 'output'])
-  app.run(main)
-
-
-if __name__ == '__main__':
-  from flax_transformer import tensorflow_setup
-  tensorflow_setup.import_quietly()
-  console()

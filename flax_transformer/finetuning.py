@@ -38,7 +38,7 @@ def source(init_from: str, model_config: TransformerConfig, vocab_path: str = ''
     return None
   workdir, step = _parse(init_from)
   fix = 'point --config.init_from at a workdir of the same model shape, or change the model to match it'
-  saved = workdirs.read_config(workdir)
+  saved = workdirs.read_config(workdir, '--config.init_from')
   saved_model = settings.model_settings(saved)
   fields = SHAPE_FIELDS + (('max_positions',) if model_config.learned_positions else ())
   for field in fields:

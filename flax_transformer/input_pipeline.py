@@ -21,22 +21,24 @@ The iterator's state is a handful of integers (the step and each shape's batch p
 process with each checkpoint; resume is exact. `tokens_per_batch` is the global batch (the paper's
 ~25,000 source and ~25,000 target tokens), split across shards and devices.
 
-Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
+Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py (commands/inspect_batches.py)
 """
 
-import json
-import sys
-import time
+if __name__ == '__main__':  # the inspection program, before anything imports TensorFlow
+  from flax_transformer.commands.inspect_batches import console
+  console()
+
+import time  # noqa: E402
 from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
-import tensorflow as tf
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-from flax_transformer import bucketing, cluster
-from flax_transformer.parallel_text import DataError, python_pairs
-from flax_transformer.errors import UserError
-from flax_transformer.token_table import TokenTable, train_table
+from flax_transformer import bucketing, cluster  # noqa: E402
+from flax_transformer.parallel_text import DataError  # noqa: E402
+from flax_transformer.errors import UserError  # noqa: E402
+from flax_transformer.token_table import TokenTable, train_table  # noqa: E402
 
 if TYPE_CHECKING:
   from flax_transformer.settings import DataSettings
@@ -222,26 +224,3 @@ def inspect(data: 'DataSettings', vocab_path: str) -> dict:
           'table_tokens_per_second': round(table_tokens / table_seconds, 1),
           'tokens_per_second': round(sum(tokens) / seconds, 1)}
 
-
-def main(argv):
-  del argv
-  from absl import flags
-  from flax_transformer import settings, tokenizer
-  from flax_transformer.commands import config_flag
-  try:
-    data = settings.resolve(config_flag(flags.FLAGS)).data
-    _, vocab_path = tokenizer.train_or_load(data, flags.FLAGS.workdir, lambda: python_pairs(data))
-    print(json.dumps(inspect(data, vocab_path)))
-  except UserError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(1)
-
-
-if __name__ == '__main__':
-  from absl import app, flags
-  from ml_collections import config_flags
-  tf.config.set_visible_devices([], 'GPU')
-  config_flags.DEFINE_config_file('config', None, 'Run configuration file.', lock_config=True)
-  flags.DEFINE_string('workdir', '/tmp/flax_transformer_inspect', 'Where the vocabulary is trained or found.')
-  flags.mark_flags_as_required(['config'])
-  app.run(main)

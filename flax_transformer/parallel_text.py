@@ -30,7 +30,7 @@ class DataError(UserError):
 
 def read_lines(path: str) -> list[str]:
   """Lines of a plain or gzipped UTF-8 file, without newlines."""
-  _check_file(path)
+  check_file(path)
   data = storage.path(path).read_bytes()
   if path.endswith('.gz'):
     try:
@@ -63,11 +63,17 @@ def _damaged_gzip(path: str, error: BaseException) -> DataError:
                    f'without the .gz suffix if it is plain text')
 
 
-def _check_file(path: str) -> None:
+def check_file(path: str, name: str = '') -> None:
+  """A one-line DataError unless `path` is a file that exists; `name` is how the user gave it (a flag or
+  config field), '' for a data file in general."""
   if not path:
-    raise DataError('a data file path is empty; set the config.*_source / config.*_target paths')
-  if not storage.path(path).exists():
-    raise DataError(f'data file {path} does not exist; check the path (override with --config.<field>=PATH)')
+    raise DataError(f'{name or "a data file path"} is empty; give the path of a text file (plain or .gz)')
+  location = storage.path(path)
+  if not location.exists():
+    raise DataError(f'{f"{name} file" if name else "data file"} {path} does not exist; check the '
+                    f'{name or "path (override with --config.<field>=PATH)"}{" path" if name else ""}')
+  if location.is_dir():
+    raise DataError(f'{name or "data file"} {path} is a folder; give the path of a text file (plain or .gz) in it')
 
 
 def _raw_lines(path: str):
@@ -91,7 +97,7 @@ def parallel_lines(source_path: str, target_path: str, shard: tuple[int, int] = 
   read line by line from both files at once; the lines of other shards are skipped as they are read."""
   index, count = shard
   for path in (source_path, target_path):
-    _check_file(path)
+    check_file(path)
   sources, targets, number = _raw_lines(source_path), _raw_lines(target_path), 0
   for number, (source, target) in enumerate(itertools.zip_longest(sources, targets), 1):
     if source is None or target is None:  # one file ended first: count the other's lines for the message
@@ -119,7 +125,15 @@ def _split_paths(data: 'DataSettings', split: str) -> tuple[str, str]:
       raise DataError(f'config.{field}={path} does not exist; set the path (--config.{field}=PATH); for '
                       f'Multi30k, python tools/get_multi30k.py --dir=DIR downloads it, then '
                       f'--config=configs/multi30k.py:DIR')
+    if path and storage.path(path).is_dir():
+      raise DataError(f'config.{field}={path} is a folder; give the path of a text file (plain or .gz) in it')
   return tuple(paths.values())
+
+
+def check_split(data: 'DataSettings', split: str) -> None:
+  """The split's files exist and are files (dataset 'files'; a tfds split is checked when it is read)."""
+  if data.dataset == 'files':
+    _split_paths(data, split)
 
 
 def _tfds_builder(data: 'DataSettings'):

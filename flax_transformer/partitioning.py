@@ -44,22 +44,29 @@ LOGICAL_AXIS_RULES = (
 )
 
 
-def create_mesh(mesh_shape: Sequence[int], devices=None) -> Mesh:
-  """A ('data', 'fsdp', 'model') mesh; one entry may be -1 (all remaining devices)."""
-  devices = jax.devices() if devices is None else devices
+def mesh_shape_for(mesh_shape: Sequence[int], device_count: int) -> tuple[int, ...]:
+  """`mesh_shape` (data, fsdp, model) for `device_count` devices, its one -1 entry (if any) filled with the
+  remaining devices; a shape that cannot be is a one-line error."""
   shape = list(mesh_shape)
-  if len(shape) != len(MESH_AXES):
-    raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: needs {len(MESH_AXES)} entries for {MESH_AXES}')
+  if len(shape) != len(MESH_AXES) or not all(isinstance(s, int) for s in shape):
+    raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: needs {len(MESH_AXES)} integers for {MESH_AXES}')
   if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
     raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: entries must be positive, with at most one -1')
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
-    if len(devices) % known:
-      raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: {len(devices)} devices are not divisible by {known}')
-    shape[shape.index(-1)] = len(devices) // known
-  if math.prod(shape) != len(devices):
+    if device_count % known:
+      raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)}: {device_count} devices are not divisible by {known}')
+    shape[shape.index(-1)] = device_count // known
+  if math.prod(shape) != device_count:
     raise ConfigError(f'config.mesh_shape={tuple(mesh_shape)} needs {math.prod(shape)} devices '
-                     f'but {len(devices)} are available; make the product of its entries {len(devices)}')
+                      f'but {device_count} are available; make the product of its entries {device_count}')
+  return tuple(shape)
+
+
+def create_mesh(mesh_shape: Sequence[int], devices=None) -> Mesh:
+  """A ('data', 'fsdp', 'model') mesh; one entry may be -1 (all remaining devices)."""
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape_for(mesh_shape, len(devices))
   try:
     device_array = mesh_utils.create_device_mesh(shape, devices)
   except (AssertionError, ValueError, NotImplementedError):

@@ -10,42 +10,20 @@ bytes follow exactly from the shardings; temporaries are XLA:CPU's buffer assign
 program (a GPU or TPU compiler fuses differently, so treat them as an estimate); FLOPs are XLA's
 cost_analysis() beside the analytic count (6 · parameters · tokens plus attention). Where the step does
 not fit `--device_memory_gb`, the plan compiles the mesh or accumulation that does and says so.
-The last line printed is one JSON object.
+The last line printed is one JSON object. The program: python -m flax_transformer.plan (commands/plan.py).
 """
 
-import os
-import sys
+if __name__ == '__main__':  # python -m flax_transformer.plan: the program, which sets the device count before JAX starts
+  from flax_transformer.commands.plan import console
+  console()
 
-
-def _take_devices_flag(argv: list[str]) -> int:
-  """--devices must be known before JAX starts: it sets the number of fake CPU devices (a bad value is
-  left to main's check; JAX then starts with 1)."""
-  from flax_transformer.commands import argv_value
-  value = argv_value(argv, 'devices')
-  if value is None:
-    return 8
-  return int(value) if value.strip().isdigit() and int(value) > 0 else 1
-
-
-def _start_cpu_devices(argv: list[str]) -> None:
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             f' --xla_force_host_platform_device_count={_take_devices_flag(argv)}')
-  os.environ['JAX_PLATFORMS'] = 'cpu'
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-
-
-if __name__ == '__main__':
-  _start_cpu_devices(sys.argv)
-
-import ast  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from flax_transformer import partitioning, platforms, settings, steps, train_state  # noqa: E402
+from flax_transformer import partitioning, settings, steps, train_state  # noqa: E402
 from flax_transformer.errors import ConfigError  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
 
@@ -189,14 +167,14 @@ def table(figures: dict, peak_tflops: float, mfu: float, memory_gb: float | None
   return '\n'.join(f'{name:<{width}}  {value}' for name, value in rows)
 
 
-def plan(config, devices: int, mesh_shape, peak_tflops: float = 0.0, mfu: float = 0.4,
+def plan(config, devices: int, mesh_shape: tuple[int, int, int], peak_tflops: float = 0.0, mfu: float = 0.4,
          device_memory_gb: float | None = None, target: str = 'gpu') -> dict:
   """The plan as a dict (the figures of `compile_step`, timings and, when it does not fit, the fix)."""
   config = for_target(config, target)
   if len(jax.devices()) != devices:
     raise ConfigError(f'--devices={devices} but JAX has {len(jax.devices())} devices; run plan as a module '
                       f'(python -m flax_transformer.plan) so it can create them')
-  mesh_shape = resolve_mesh(parse_mesh(mesh_shape) if isinstance(mesh_shape, str) else mesh_shape)
+  mesh_shape = resolve_mesh(mesh_shape)
   figures = compile_step(config, mesh_shape)
 
   def timing(f):
@@ -221,82 +199,3 @@ def plan(config, devices: int, mesh_shape, peak_tflops: float = 0.0, mfu: float 
         figures['fix'] = {'flags': description, 'total_bytes_per_device': total_bytes(candidate)}
         break
   return figures
-
-
-def parse_mesh(text: str) -> tuple[int, int, int]:
-  """'(data, fsdp, model)' -> a tuple of three positive integers, or a one-line error."""
-  try:
-    mesh = ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    mesh = None
-  if not (isinstance(mesh, tuple) and len(mesh) == 3 and all(isinstance(n, int) and n >= 1 for n in mesh)):
-    raise ConfigError(f"--mesh={text} is not three positive sizes (data, fsdp, model); write e.g. --mesh='(1,8,1)'")
-  return mesh
-
-
-def check_flags(f) -> None:
-  """The flags' values, before anything is compiled."""
-  if not f.devices >= 1:
-    raise ConfigError(f'--devices={f.devices} must be at least 1: the devices to plan for')
-  if not 0 < f.mfu <= 1:
-    raise ConfigError(f'--mfu={f.mfu} must be in (0, 1]: the fraction of peak FLOP/s a step achieves (e.g. 0.4)')
-  if f.peak_tflops < 0:
-    raise ConfigError(f'--peak_tflops={f.peak_tflops} must be 0 (no timing) or the device\'s peak TFLOP/s')
-  if f.device_memory_gb is not None and f.device_memory_gb <= 0:
-    raise ConfigError(f'--device_memory_gb={f.device_memory_gb} must be positive (or left out)')
-  if f.mesh:
-    parse_mesh(f.mesh)
-
-
-def main(argv):
-  del argv
-  from absl import flags
-  from flax_transformer.commands import config_flag
-  f = flags.FLAGS
-  try:
-    check_flags(f)
-    config = config_flag(f)
-    figures = plan(config, f.devices, f.mesh or str(tuple(config.mesh_shape)), f.peak_tflops, f.mfu,
-                   f.device_memory_gb, f.target)
-  except (ConfigError, ValueError, SyntaxError) as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(1)
-  print(f'capacity plan for {f.target}, computed by compiling the train step on {f.devices} fake CPU devices '
-        f'(not measured)')
-  print(table(figures, f.peak_tflops, f.mfu, f.device_memory_gb))
-  if figures['fits'] is False:
-    fix = figures['fix']
-    print(f'does not fit {f.device_memory_gb:g} GB per device; ' +
-          (f'fits with {fix["flags"]} ({fix["total_bytes_per_device"] / GIB:.2f} GiB per device)' if fix
-           else 'no mesh or accumulation tried fits: use more devices'))
-  print(json.dumps(figures))
-
-
-def _define_flags():
-  from absl import flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file('config', None, 'Run configuration file (configs/*.py).')
-  flags.DEFINE_integer('devices', 8, 'Devices to plan for (fake CPU devices are created).')
-  flags.DEFINE_string('mesh', '', "(data, fsdp, model), e.g. '(1,8,1)'; default: the config's mesh_shape.")
-  flags.DEFINE_float('peak_tflops', 0.0, 'Peak TFLOP/s of one device in the compute dtype (0: no timing).')
-  flags.DEFINE_float('mfu', 0.4, 'Model FLOPs utilisation assumed for the step time.')
-  flags.DEFINE_float('device_memory_gb', None, 'Memory of one device; the plan says whether the step fits.')
-  flags.DEFINE_enum('target', 'gpu', platforms.PLATFORMS, "The platform whose 'auto' choices are planned.")
-  flags.mark_flags_as_required(['config'])
-
-
-def console():
-  """`flax-transformer-plan`: the same as python -m flax_transformer.plan."""
-  _start_cpu_devices(sys.argv)
-  jax.config.update('jax_platforms', 'cpu')  # JAX read the environment when this module imported it
-  from absl import app
-  from flax_transformer.commands import importable_configs
-  importable_configs(sys.argv)
-  _define_flags()
-  app.run(main)
-
-
-if __name__ == '__main__':
-  from absl import app
-  _define_flags()
-  app.run(main)

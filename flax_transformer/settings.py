@@ -36,6 +36,7 @@ ADDED = {
     'dropout_rng_impl': 'rbg', 'num_eval_bleu_sentences': 0, 'platform': '', 'coordinator_address': '',
     'num_processes': 1, 'process_id': 0, 'heartbeat_timeout_seconds': 30, 'shutdown_timeout_seconds': 60,
     'model.dropout_masks': 'auto', 'model.attention': 'auto', 'model.scan_unroll': 1,
+    'storage_timeout_seconds': 300, 'initialization_timeout_seconds': 300,
 }
 
 
@@ -113,6 +114,7 @@ class LoopSettings:
   platform: str
   mesh_shape: tuple
   fused_output_loss: bool  # config.output_loss resolved
+  storage_timeout_seconds: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,7 @@ class ClusterSettings:
   coordinator_address: str
   num_processes: int
   process_id: int
+  initialization_timeout_seconds: int
   heartbeat_timeout_seconds: int
   shutdown_timeout_seconds: int
 
@@ -171,7 +174,8 @@ def check(config: ml_collections.ConfigDict) -> None:
   for field in ('num_train_steps', 'checkpoint_every_steps', 'eval_every_steps', 'log_every_steps',
                 'keep_checkpoints', 'gradient_accumulation_steps', 'tokens_per_batch', 'eval_tokens_per_batch',
                 'max_train_length', 'max_eval_length', 'num_bucket_boundaries', 'beam_size', 'vocab_sample_sentences',
-                'heartbeat_timeout_seconds', 'shutdown_timeout_seconds', 'num_processes'):
+                'heartbeat_timeout_seconds', 'shutdown_timeout_seconds', 'num_processes', 'storage_timeout_seconds',
+                'initialization_timeout_seconds'):
     if not isinstance(config[field], int) or isinstance(config[field], bool) or config[field] < 1:
       _fail(field, config[field], 'must be a positive integer')
   for field in ('warmup_steps', 'max_skipped_steps', 'loss_spike_steps', 'max_extra_length', 'num_eval_bleu_sentences',
@@ -231,6 +235,18 @@ def model_settings(config: ml_collections.ConfigDict, platform: str | None = Non
                                               values.get('d_model', 512) // max(values.get('num_heads', 8), 1),
                                               platform)
   return TransformerConfig(**values)
+
+
+PER_PROCESS = ('process_id',)  # the config fields that differ between the processes of one run
+
+
+def comparable(config: ml_collections.ConfigDict) -> dict:
+  """The config as flat {'field' or 'model.field': value}, without the fields each process sets for itself:
+  what every process of one run must agree on (cluster.check_same)."""
+  values = json.loads(config.to_json_best_effort())
+  flat = {f'model.{k}': v for k, v in values.pop('model').items()}
+  flat.update((k, v) for k, v in values.items() if k not in PER_PROCESS)
+  return flat
 
 
 def cluster_settings(config: ml_collections.ConfigDict) -> ClusterSettings:

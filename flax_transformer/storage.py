@@ -11,19 +11,34 @@ workdir lock, and which reaches a local emulator through the standard variable: 
 talk to it, so tests run a pod's storage on one machine.
 """
 
+import contextlib
+import logging
 import os
+import posixpath
 import tempfile
+import threading
 
 os.environ.setdefault('EPATH_USE_TF', 'false')  # gs:// through fsspec (gcsfs), which an emulator can stand in for
+# A storage server that stops answering fails a request instead of hanging it: TensorStore (Orbax's arrays)
+# gives up on a connection after CONNECT_SECONDS and on a transfer idle for IDLE_SECONDS; so does gcsfs (below).
+CONNECT_SECONDS, IDLE_SECONDS = 15, 60
+os.environ.setdefault('TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS', str(CONNECT_SECONDS))
+os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS', str(IDLE_SECONDS))
+os.environ.setdefault('TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES', '1')
 if os.environ.get('STORAGE_EMULATOR_HOST'):
   os.environ.setdefault('TENSORSTORE_GCS_HTTP_URL', os.environ['STORAGE_EMULATOR_HOST'])
   os.environ.setdefault('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'false')  # its bucket probe speaks gRPC to real GCS only
 
+import aiohttp  # noqa: E402
 import fsspec  # noqa: E402
 from etils import epath  # noqa: E402
 
 for _protocol in ('gs', 'gcs', 's3'):  # other processes change the same folders: list them anew every time
   fsspec.config.conf.setdefault(_protocol, {}).setdefault('use_listings_cache', False)
+for _protocol in ('gs', 'gcs'):  # per request: connect within CONNECT_SECONDS, then never idle for IDLE_SECONDS
+  fsspec.config.conf[_protocol].setdefault('requests_timeout', aiohttp.ClientTimeout(
+      total=None, sock_connect=CONNECT_SECONDS, sock_read=IDLE_SECONDS))
+logging.getLogger('gcsfs').setLevel(logging.CRITICAL)  # its retries end in an exception the product reports in one line
 
 from flax_transformer.errors import UserError  # noqa: E402
 
@@ -44,6 +59,122 @@ def path(location) -> epath.Path:
   if is_url(location):
     return epath.Path(location)
   return epath.Path(os.path.abspath(os.path.expanduser(location)))
+
+
+def resolved(location) -> str:
+  """`location` as the one place it names: a local path absolute with its symbolic links and '..' resolved, a
+  URL with its path normalised."""
+  location = os.fspath(location)
+  if is_url(location):
+    scheme, rest = location.split('://', 1)
+    return f'{scheme}://{posixpath.normpath("/" + rest).lstrip("/")}'
+  return os.path.realpath(os.path.abspath(os.path.expanduser(location)))
+
+
+def _relation(output: str, other: str) -> str | None:
+  """How the resolved `output` lies to the resolved `other`: 'is', 'holds', 'is inside', or None."""
+  if output == other:
+    return 'is'
+  if other.startswith(output.rstrip('/') + '/'):
+    return 'holds'
+  if output.startswith(other.rstrip('/') + '/'):
+    return 'is inside'
+  return None
+
+
+def check_output(label: str, output, reads: dict, fix: str = 'write the output to a place outside it') -> None:
+  """Refuses an `output` (named `label` in the message, e.g. '--output=X') that is, holds or sits inside anything
+  the program reads: `reads` maps what each is ('the workdir', 'the input', ...) to its location (None, '' or
+  '-' for none). Locations are compared resolved (symbolic links, '..'), so no spelling of a path lets an output
+  land on an input."""
+  if not output or output == '-':
+    return
+  target = resolved(output)
+  for what, location in reads.items():
+    if not location or location == '-':
+      continue
+    relation = _relation(target, resolved(location))
+    if relation:
+      raise StorageError(f'{label} {relation} {what} {location}, which this program reads; {fix}')
+
+
+def check_replaceable(flag: str, output, overwrite: bool) -> None:
+  """A folder output that `staged_directory` may write: absent, empty, or with `overwrite` any folder."""
+  output = path(resolved(output))
+  if output.exists() and not output.is_dir():
+    raise StorageError(f'{flag}={output} is a file; give a folder (a new one, or an existing one with --overwrite)')
+  if output.is_dir() and any(output.iterdir()) and not overwrite:
+    raise StorageError(f'{output} is not empty; choose a new {flag} or pass --overwrite to replace it')
+
+
+@contextlib.contextmanager
+def staged_directory(output):
+  """A new folder beside `output` to write into (yielded as an epath.Path); when the block ends without error it
+  is swapped in for `output` (through its symbolic link, if `output` is one), and a previous `output` is removed
+  only then; after an error it is removed and `output` is as it was. Readers never see a half-written folder."""
+  output = path(resolved(output))
+  staging = output.parent / f'.{output.name}.partial.{os.getpid()}'
+  if staging.exists():
+    staging.rmtree()
+  staging.mkdir(parents=True)
+  try:
+    yield staging
+  except BaseException:
+    if staging.exists():
+      staging.rmtree()
+    raise
+  replaced = output.parent / f'.{output.name}.replaced.{os.getpid()}'
+  if output.exists():
+    move(output, replaced)
+  move(staging, output)
+  if replaced.exists():
+    replaced.rmtree()
+
+
+def check_reachable(location, flag: str, timeout: float = CONNECT_SECONDS) -> None:
+  """For a gs:// location, that its storage server (STORAGE_EMULATOR_HOST, else Google's) accepts a connection
+  within `timeout` seconds: one line naming it if not, instead of a minute of retries in every later call."""
+  location = os.fspath(location)
+  if not location.startswith(('gs://', 'gcs://')):
+    return
+  import socket
+  import urllib.parse
+  endpoint = urllib.parse.urlsplit(os.environ.get('STORAGE_EMULATOR_HOST') or 'https://storage.googleapis.com')
+  host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == 'https' else 80)
+  try:
+    socket.create_connection((host, port), timeout=timeout).close()
+  except OSError as error:
+    reason = 'no answer within {:g} s'.format(timeout) if isinstance(error, TimeoutError) else _reason(error)
+    raise StorageError(f'{flag}={location}: the storage server {host}:{port} cannot be reached ({reason}); check '
+                       f'the network' + (' and STORAGE_EMULATOR_HOST' if os.environ.get('STORAGE_EMULATOR_HOST')
+                                         else '')) from None
+
+
+def overdue(what: str, seconds: float) -> StorageError:
+  return StorageError(f'{what} did not finish within {seconds:g} s: the storage stopped answering (raise '
+                      f'config.storage_timeout_seconds if it is only slow)')
+
+
+def within(seconds: float, what: str, call):
+  """`call()`'s result, awaited at most `seconds`: a call that has not returned by then (a storage server that
+  stopped answering) is a StorageError naming `what`, and is left behind in its daemon thread; its own
+  exception is raised as itself."""
+  outcome = {}
+
+  def target():
+    try:
+      outcome['value'] = call()
+    except BaseException as error:  # handed to the caller's thread
+      outcome['error'] = error
+
+  thread = threading.Thread(target=target, name=f'storage: {what}', daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    raise overdue(what, seconds)
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome.get('value')
 
 
 def _reason(error: Exception) -> str:

@@ -27,12 +27,17 @@ class VocabularyError(UserError):
   """A vocabulary that cannot be used with this run's configuration."""
 
 
-def _sentences(pairs: Iterable[tuple[str, str]]):
-  """Both sides of every pair, for SentencePiece to sample from."""
-  for source, target in pairs:
-    for text in (source, target):
-      if text:
-        yield text
+def _sentences(pairs: Iterable[tuple[str, str]], errors: list):
+  """Both sides of every pair, for SentencePiece to sample from. An error met while reading them (a DataError
+  naming the file and line) ends the sentences and is kept in `errors`: SentencePiece would report it as a
+  failure of its own."""
+  try:
+    for source, target in pairs:
+      for text in (source, target):
+        if text:
+          yield text
+  except UserError as error:
+    errors.append(error)
 
 
 def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size: int, model_type: str = 'bpe',
@@ -43,17 +48,21 @@ def train_sentencepiece(pairs: Iterable[tuple[str, str]], path: str, vocab_size:
     raise VocabularyError(f"config.vocab_type={model_type!r}: use 'bpe' or 'unigram'")
   storage.path(path).parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory() as scratch:
-    prefix = os.path.join(scratch, 'spm')
+    prefix, errors = os.path.join(scratch, 'spm'), []
     try:
       spm.SentencePieceTrainer.train(
-          sentence_iterator=_sentences(pairs), model_prefix=prefix,
+          sentence_iterator=_sentences(pairs, errors), model_prefix=prefix,
           vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
           pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1,
           shuffle_input_sentence=True, input_sentence_size=sample_sentences, minloglevel=2)
     except RuntimeError as error:
+      if errors:  # the data's own error is the cause
+        raise errors[0] from None
       first_line = str(error).strip().splitlines()[-1]
       raise VocabularyError(f'cannot train a {vocab_size}-piece vocabulary on this corpus ({first_line}); '
                             f'lower config.model.vocab_size') from None
+    if errors:
+      raise errors[0]
     with open(prefix + '.model', 'rb') as f:
       storage.write_atomic(path, f.read())
   return path
@@ -63,7 +72,11 @@ def load(path: str, expected_vocab_size: int | None = None) -> spm.SentencePiece
   """Loads a model and checks it against the model config's vocabulary size."""
   if not storage.path(path).exists():
     raise VocabularyError(f'vocabulary file {path} does not exist; fix config.vocab_path or leave it empty to train one')
-  processor = spm.SentencePieceProcessor(model_proto=storage.path(path).read_bytes())
+  try:
+    processor = spm.SentencePieceProcessor(model_proto=storage.path(path).read_bytes())
+  except RuntimeError:  # SentencePiece's own message names only its parser
+    raise VocabularyError(f'vocabulary file {path} is damaged (not a SentencePiece model); restore it from a copy: '
+                          f'a run\'s checkpoints belong to the vocabulary they were trained with') from None
   if expected_vocab_size is not None and processor.get_piece_size() != expected_vocab_size:
     raise VocabularyError(f'vocabulary {path} has {processor.get_piece_size()} pieces but '
                           f'config.model.vocab_size={expected_vocab_size}; set them equal')

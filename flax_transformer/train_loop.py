@@ -16,6 +16,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 
@@ -47,6 +48,12 @@ class CheckpointSaveFailed(UserError):
   """A checkpoint could not be written (disk full, permissions...)."""
 
 
+def _say(line: str) -> None:
+  """A line on stdout from a signal handler: written at once, past Python's buffer (which the interrupted code
+  may be in the middle of)."""
+  os.write(sys.stdout.fileno(), (line + '\n').encode())
+
+
 class _StopSignal:
   """Turns SIGTERM/SIGINT into a flag the loop checks after each step (checkpoint, then exit 0).
 
@@ -64,10 +71,14 @@ class _StopSignal:
       self._previous[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
-    if self.multi_process:
+    name = signal.Signals(signum).name
+    if self.received is not None:  # pressed again while the run stops: the stop's checkpoint is being written
+      _say(f'{name} received again: the run is saving its checkpoint and exits once it is written')
+    elif self.multi_process:
       os.kill(os.getpid(), signal.SIGTERM)  # to the preemption service, which tells every process
     else:
-      self.received = signal.Signals(signum).name
+      self.received = name
+      _say(f'{name} received: the run stops after this step and saves a checkpoint')
 
   def check(self, step: int) -> str | None:
     """The signal to stop on after `step`, or None; call after every step, on every process."""
@@ -240,12 +251,17 @@ def set_up(config, workdir: str, devices=None) -> Run:
   tensorflow_setup.import_quietly()
   settings.check(config)  # every field, before any process starts
   cluster_kind = cluster.start(settings.cluster_settings(config)).kind  # before JAX's backend is touched
+  cluster.watch_peers(settings.cluster_settings(config))
+  cluster.check_same('config', settings.comparable(config))  # the processes run one config
   s = settings.resolve(config)  # the 'auto' choices, for the platform JAX now runs on
-  cluster.watch_peers(s.cluster)
   platforms.check(s.loop.platform)
   is_chief, workdir = jax.process_index() == 0, storage.path(workdir)
-  workdirs.check(workdir, config)
+  storage.check_reachable(workdir, '--workdir')
+  for split in ('train', 'eval'):  # what the run reads, before anything is written or compiled
+    parallel_text.check_split(s.data, split)
   origin = finetuning.source(s.loop.init_from, s.model, s.data.vocab_path)
+  workdirs.check_inputs(workdir, s.data, origin.workdir if origin else '')
+  workdirs.check(workdir, config, s.model)
   mesh = partitioning.create_mesh(s.loop.mesh_shape, devices)
   partitioning.check_model_fits_mesh(s.model, mesh)  # before the vocabulary's minute, not after
   shard = partitioning.data_shard(mesh.devices)
@@ -300,23 +316,27 @@ def _build(config, s: Settings, workdir, mesh, shard, is_chief, lock, cluster_ki
 class MetricsLog:
   """TensorBoard scalars, the JSONL of metrics and every step's loss, and the console (process 0 only)."""
 
-  def __init__(self, workdir, is_chief: bool):
-    self.is_chief, self.writer, self.file = is_chief, None, None
+  def __init__(self, workdir, is_chief: bool, timeout: float):
+    self.is_chief, self.writer, self.file, self.timeout = is_chief, None, None, timeout
+    self.where = storage.path(workdir)
     if is_chief:
-      self.tensorboard = storage.MirroredDirectory(storage.path(workdir) / 'tensorboard')
+      self.tensorboard = storage.MirroredDirectory(self.where / 'tensorboard')
       self.writer = tf.summary.create_file_writer(self.tensorboard.local)
-      self.file = storage.AppendedFile(storage.path(workdir) / METRICS_FILENAME)
+      self.file = storage.AppendedFile(self.where / METRICS_FILENAME)
 
   def scalars(self, step: int, scalars: dict, prefix: str) -> None:
     if not self.is_chief:
       return
-    with self.writer.as_default(step=step):
-      for name, value in scalars.items():
-        tf.summary.scalar(f'{prefix}/{name}', value)
-    self.writer.flush()
-    self.tensorboard.sync()
-    self.file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
-    self.file.flush()
+
+    def write():
+      with self.writer.as_default(step=step):
+        for name, value in scalars.items():
+          tf.summary.scalar(f'{prefix}/{name}', value)
+      self.writer.flush()
+      self.tensorboard.sync()
+      self.file.write(json.dumps({'step': step, 'split': prefix, **scalars}) + '\n')
+      self.file.flush()
+    storage.within(self.timeout, f'writing the metrics of step {step} to {self.where}', write)
 
   def step_losses(self, step: int, losses) -> None:
     """Every step's loss, exactly (json floats round-trip), for resume checks and plots."""
@@ -335,44 +355,63 @@ class MetricsLog:
 
 
 class Saver:
-  """Asynchronous checkpoints whose failure is reported at once, naming the step that failed."""
+  """Asynchronous checkpoints whose failure is reported at once, naming the step that failed; a save still
+  unfinished after `timeout` seconds (a storage server that stopped answering) is a failure too."""
 
-  def __init__(self, manager, workdir: str):
-    self.manager, self.workdir = manager, workdir
-    self.step, self.failed = None, False  # the save in flight; whether one failed
+  def __init__(self, manager, workdir: str, timeout: float):
+    self.manager, self.workdir, self.timeout = manager, workdir, timeout
+    self.step, self.started, self.failed = None, None, False  # the save in flight and when it began; whether one failed
 
   def _failure(self, step, error) -> CheckpointSaveFailed:
     self.failed = True  # Orbax's threads may wait forever now: the run exits without closing them
+
+    def look():  # what the failed save left, and the newest checkpoint before it
+      removed = checkpointing.remove_partial(self.workdir, step) if jax.process_index() == 0 else False
+      return removed, [s for s in checkpointing.available_steps(self.workdir) if s < step]
+
     try:
-      saved = [s for s in checkpointing.available_steps(self.workdir) if s < step]
+      removed, saved = storage.within(min(self.timeout, 60), 'looking at the checkpoints', look)
       intact = f'checkpoint {saved[-1]} is the newest intact one' if saved else 'no earlier checkpoint exists'
     except Exception:  # the storage itself may be what failed
-      intact = 'earlier checkpoints were not checked'
+      removed, intact = False, 'earlier checkpoints were not checked'
+    cause = str(error) if isinstance(error, storage.StorageError) else checkpointing.reason(error)
     return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {self.workdir} failed '
-                                f'({type(error).__name__}: {str(error).splitlines()[0][:200]}); the run stopped '
-                                f'and {intact}')
+                                f'({cause}){"; its partial files were removed" if removed else ""}; '
+                                f'the run stopped and {intact}')
+
+  def _waited(self, what: str, call):
+    """`call()` within what is left of the save's `timeout` (at least a second)."""
+    left = self.timeout - (time.monotonic() - self.started) if self.started else self.timeout
+    return storage.within(max(left, 1.0), what, call)
 
   def check(self) -> None:
-    """Raises for a failed asynchronous save, at the first step after it failed."""
-    if self.step is not None:
-      try:
-        self.manager.check_for_errors()
-      except Exception as error:  # disk full, permission denied...
-        raise self._failure(self.step, error) from None
+    """Raises for a failed or overdue asynchronous save, at the first step after it failed."""
+    if self.step is None:
+      return
+    try:
+      self.manager.check_for_errors()
+      if time.monotonic() - self.started > self.timeout and self.manager.is_saving_in_progress():
+        raise storage.overdue('the save', self.timeout)
+    except Exception as error:  # disk full, permission denied, storage gone quiet...
+      raise self._failure(self.step, error) from None
 
   def finish(self) -> None:
+    """Waits for the save in flight (within its timeout); raises if it failed."""
     try:
-      self.manager.wait_until_finished()
+      if self.manager.is_saving_in_progress():
+        self._waited('the save', self.manager.wait_until_finished)
+      else:
+        self.manager.wait_until_finished()  # returns at once, raising a failure of the last save
     except Exception as error:
       raise self._failure(self.step, error) from None
 
   def save(self, step: int, state, data_state: dict) -> None:
     self.finish()
+    self.step, self.started = step, time.monotonic()
     try:
-      checkpointing.save_state(self.manager, state, data_state)
+      self._waited('the save', lambda: checkpointing.save_state(self.manager, state, data_state))
     except Exception as error:
       raise self._failure(step, error) from None
-    self.step = step
 
   def close(self) -> None:
     if not self.failed:
@@ -414,8 +453,10 @@ class Evaluator:
       else:
         results['bleu'], _ = evaluation.bleu(hypotheses, self.references, s.decode.bleu_tokenize)
         if run.is_chief:  # the sample's translations, to read beside the score
-          (run.workdir / TRANSLATIONS_DIR).mkdir(parents=True, exist_ok=True)
-          (run.workdir / TRANSLATIONS_DIR / f'eval_{step}.txt').write_text(''.join(h + '\n' for h in hypotheses))
+          folder = run.workdir / TRANSLATIONS_DIR
+          storage.within(s.loop.storage_timeout_seconds, f'writing the translations of step {step} to {folder}',
+                         lambda: folder.mkdir(parents=True, exist_ok=True) or (folder / f'eval_{step}.txt').write_text(
+                             ''.join(h + '\n' for h in hypotheses)))
     if results is None:
       print(f'evaluation at step {step} abandoned: {stop.received} received', flush=True)
       return {}
@@ -463,16 +504,25 @@ class Progress:
 def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
   run = set_up(config, workdir, devices)
-  log, saver = MetricsLog(run.workdir, run.is_chief), Saver(run.manager, run.workdir)
+  timeout = run.settings.loop.storage_timeout_seconds
+  log, saver = MetricsLog(run.workdir, run.is_chief, timeout), Saver(run.manager, run.workdir, timeout)
   stop = _StopSignal(multi_process=jax.process_count() > 1)
+  failure = None
   try:
     return _train(run, log, saver, stop)
-  finally:
-    stop.restore()
-    saver.close()
-    log.close()
-    if run.lock is not None:
-      run.lock.release()
+  except BaseException as error:
+    failure = error
+    raise
+  finally:  # each closing write within the storage timeout; after the storage failed, only the lock is tried
+    gone_quiet = isinstance(failure, (storage.StorageError, CheckpointSaveFailed))
+    closing = (() if gone_quiet else (('the last checkpoint', saver.close), ('the metrics', log.close)))
+    for what, close in closing + ((('the workdir lock', run.lock.release),) if run.lock else ()):
+      try:
+        storage.within(timeout, f'closing {what} in {run.workdir}', close)
+      except Exception:
+        if failure is None:
+          raise
+    stop.restore()  # last: a signal while the run winds down must not interrupt its closing writes
 
 
 def _train(run: Run, log: MetricsLog, saver: Saver, stop: '_StopSignal') -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 
 from flax_transformer import decode, losses, platforms, tokenizer
 from flax_transformer.constants import EOS_ID, PAD_ID
-from flax_transformer.errors import UserError, WorkdirError
+from flax_transformer.errors import ArgumentError, UserError, WorkdirError
 from flax_transformer.model import Transformer, TransformerConfig
 from flax_transformer.settings import Settings
 
@@ -44,6 +44,21 @@ def _teacher_forced(params, inputs, targets, *, model, with_attention: bool, lay
 @functools.lru_cache(maxsize=None)
 def _jitted_teacher_forced(model: Transformer, with_attention: bool, layer: int = -1):
   return jax.jit(functools.partial(_teacher_forced, model=model, with_attention=with_attention, layer=layer))
+
+
+def texts(value, name: str = 'sentences') -> list[str]:
+  """`value` as a list of str, or a one-line ArgumentError naming what it is instead (a bare string, which would
+  otherwise be read one character a sentence; bytes; None; a number in the list)."""
+  if isinstance(value, (str, bytes)):
+    raise ArgumentError(f'{name} must be a list of strings, not a single {type(value).__name__}; for one sentence '
+                        f'pass a list of one: [{value[:40]!r}]')
+  if not isinstance(value, (list, tuple)):
+    raise ArgumentError(f'{name} must be a list of strings, not {type(value).__name__}')
+  for i, text in enumerate(value):
+    if not isinstance(text, str):
+      fix = 'decode it to str first' if isinstance(text, bytes) else 'give text'
+      raise ArgumentError(f'{name}[{i}] is {type(text).__name__} {text!r:.40}, not a string; {fix}')
+  return list(value)
 
 
 def _words(processor, ids: list[int]) -> list[int]:
@@ -161,20 +176,23 @@ class Translator:
     given in `overrides` (the keyword arguments of Translator).
     """
     import flax.linen as nn
-    from flax_transformer import average, checkpointing, partitioning, settings, workdirs
+    from flax_transformer import average, checkpointing, partitioning, settings, storage, workdirs
     run = settings.resolve(workdirs.read_config(workdir))
     model_config = run.model
     processor = tokenizer.load(run.data.vocab_path or f'{workdir}/{tokenizer.VOCAB_FILENAME}', model_config.vocab_size)
-    source = checkpoint_dir or workdir
+    source, where = (checkpoint_dir, f'--checkpoint_dir={checkpoint_dir}') if checkpoint_dir else (workdir, workdir)
+    if checkpoint_dir and not storage.path(checkpoint_dir).is_dir():
+      raise WorkdirError(f'--checkpoint_dir={checkpoint_dir} is not a folder; give the checkpoints/ folder of a run '
+                         f'(or leave it out to read the workdir\'s)')
     if step is not None:
       steps = checkpointing.available_steps(source)
       if step not in steps:
-        raise WorkdirError(f'no checkpoint at step {step} in {source}; available: {steps}')
-      params = checkpointing.restore_params(source, step, nn.meta.unbox(partitioning.abstract_params(model_config)))
-      chosen = [step]
+        raise WorkdirError(f'no checkpoint at step {step} in {where}; available: {steps}')
+      abstract = nn.meta.unbox(partitioning.abstract_params(model_config))
+      params, chosen = checkpointing.readable_params(source, step, abstract, where), [step]
     else:
       count = average_last if average_last is not None else run.loop.average_last
-      params, chosen = average.averaged_params(source, count, model_config)
+      params, chosen = average.averaged_params(source, count, model_config, where)
     d = run.decode
     defaults = {'beam_size': d.beam_size, 'alpha': d.length_penalty_alpha, 'max_extra_length': d.max_extra_length,
                 'batch_tokens': d.eval_tokens_per_batch, 'top_k': d.beam_top_k}
@@ -205,6 +223,7 @@ class Translator:
     `progress(done, total)` is called after each batch; a true `should_stop()` (checked before each
     batch) abandons the rest and returns None.
     """
+    sentences = texts(sentences)
     encoded = self.encode(sentences) if encoded is None else encoded
     owners = list(range(len(sentences)))
     if split_long and self.too_long(encoded):
@@ -230,7 +249,7 @@ class Translator:
     if not isinstance(k, int) or k < 1:
       raise UserError(f'n_best k={k!r} must be a positive integer; ask for at least one hypothesis')
     beam = max(k, self.beam_size if beam_size is None else beam_size)
-    results = self._decode(self.encode(sentences), beam, alpha, k)
+    results = self._decode(self.encode(texts(sentences)), beam, alpha, k)
     return [[(text, score) for text, score in best] for best in results]
 
   def score(self, sources: list[str], targets: list[str]) -> list[float]:
@@ -291,6 +310,7 @@ class Translator:
 
   def _teacher_forced(self, sources, targets, with_attention, layer=-1):
     """(scores per pair, [(source ids, target ids, attention [t, s]) per pair] or None)."""
+    sources, targets = texts(sources, 'sources'), texts(targets, 'targets')
     if len(sources) != len(targets):
       raise UserError(f'{len(sources)} sources but {len(targets)} targets; give one target per source')
     limit = self.max_source_tokens

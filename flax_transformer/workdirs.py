@@ -5,16 +5,17 @@ import json
 
 import ml_collections
 
-from flax_transformer import checkpointing, settings, storage
-from flax_transformer.errors import WorkdirError
+from flax_transformer import checkpointing, settings, storage, tokenizer
+from flax_transformer.errors import ConfigError, WorkdirError
 
 CONFIG_FILENAME = 'config.json'
 # config.model fields a resumed run may change: regularisation and how the same network is computed.
 COMPUTE_CHOICES = ('dropout_rate', 'attention_dropout_rate', 'dropout_masks', 'attention', 'dtype', 'scan_unroll')
 
 
-def check(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary."""
+def check(workdir: str, config: ml_collections.ConfigDict, model=None) -> None:
+  """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary, or (given
+  the run's `model`, a TransformerConfig) whose newest checkpoint is not a training state of that model."""
   try:  # one probe per process: the processes of a multi-host run check the same (shared) workdir at once
     storage.check_writable(workdir, 'workdir', 'choose another --workdir')
     storage.check_writable(checkpointing.checkpoint_dir(workdir), 'the checkpoints folder of workdir',
@@ -22,31 +23,70 @@ def check(workdir: str, config: ml_collections.ConfigDict) -> None:
   except storage.StorageError as error:
     raise WorkdirError(str(error)) from None
   path = storage.path(workdir) / CONFIG_FILENAME
-  if not path.exists():
-    return
-  saved = read_config(workdir).to_dict()
-  current = json.loads(config.to_json())
-  for key in sorted(set(saved.get('model', {})) | set(current['model'])):
-    if saved.get('model', {}).get(key) != current['model'].get(key) and key not in COMPUTE_CHOICES:
-      raise WorkdirError(f'workdir {workdir} holds a run with model.{key}={saved["model"].get(key)!r} but this config '
-                         f'has {current["model"].get(key)!r}; use a new --workdir (the existing run is left untouched)')
-  for key in ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'):
-    if saved.get(key) != current.get(key):
-      raise WorkdirError(f'workdir {workdir} holds a run with {key}={saved.get(key)!r} but this config has '
-                         f'{current.get(key)!r}; use a new --workdir (the existing run is left untouched)')
+  if path.exists():
+    saved = read_config(workdir).to_dict()
+    current = json.loads(config.to_json())
+    for key in sorted(set(saved.get('model', {})) | set(current['model'])):
+      if saved.get('model', {}).get(key) != current['model'].get(key) and key not in COMPUTE_CHOICES:
+        raise WorkdirError(f'workdir {workdir} holds a run with model.{key}={saved["model"].get(key)!r} but this '
+                           f'config has {current["model"].get(key)!r}; use a new --workdir (the existing run is left '
+                           f'untouched)')
+    for key in ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'):
+      if saved.get(key) != current.get(key):
+        raise WorkdirError(f'workdir {workdir} holds a run with {key}={saved.get(key)!r} but this config has '
+                           f'{current.get(key)!r}; use a new --workdir (the existing run is left untouched)')
+  steps = checkpointing.available_steps(workdir)
+  if model is not None and steps:
+    import flax.linen as nn
+    from flax_transformer import partitioning
+    abstract = nn.meta.unbox(partitioning.abstract_params(model))
+    checkpointing.check_kind(checkpointing.checkpoint_dir(workdir) / str(steps[-1]), abstract, True, workdir)
+
+
+# What training writes into its workdir (beside the vocabulary when it trains one).
+WRITTEN = (CONFIG_FILENAME, checkpointing.CHECKPOINT_DIR, 'tensorboard', 'train_metrics.jsonl', 'translations',
+           'run.lock')
+
+
+def check_inputs(workdir, data: 'settings.DataSettings', init_from: str = '') -> None:
+  """Refuses a run whose writes would land on what it reads: the workdir may not be, hold or sit inside the
+  run it fine-tunes from (`init_from`, a workdir), and none of the files training writes into it may be,
+  hold or sit inside its data files or vocabulary."""
+  storage.check_output(f'--workdir={workdir}', workdir, {'the run of --config.init_from': init_from},
+                       'give the fine-tuning run a workdir of its own')
+  reads = {f'config.{field}': getattr(data, field) for field in (
+      'train_source', 'train_target', 'eval_source', 'eval_target', 'vocab_path')}
+  for name in WRITTEN + (() if data.vocab_path else (tokenizer.VOCAB_FILENAME,)):
+    written = storage.path(workdir) / name
+    storage.check_output(f'{written}, which training writes,', written, reads, 'choose another --workdir')
 
 
 def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
   storage.write_atomic(storage.path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2))
 
 
-def read_config(workdir: str) -> ml_collections.ConfigDict:
-  """The run config saved in `workdir` (older config.json files through settings.saved)."""
+def read_config(workdir: str, flag: str = '--workdir') -> ml_collections.ConfigDict:
+  """The run config saved in `workdir` (older config.json files through settings.saved), checked as a run config
+  is; a missing or damaged one is a one-line error naming `flag`, the flag that gave `workdir`."""
+  storage.check_reachable(workdir, flag)
   path = storage.path(workdir) / CONFIG_FILENAME
+  if not storage.path(workdir).is_dir():
+    raise WorkdirError(f'{flag}={workdir} is not a folder; point {flag} at a directory written by train.py')
   if not path.exists():
-    raise WorkdirError(f'{workdir} has no {CONFIG_FILENAME}; point --workdir at a directory written by train.py')
+    raise WorkdirError(f'{workdir} has no {CONFIG_FILENAME}; point {flag} at a directory written by train.py')
+  fix = 'restore it from a copy, or rewrite it with the run\'s config (train.py writes it at start-up)'
   try:
-    return settings.saved(path.read_text())
+    text = path.read_bytes().decode('utf-8')
+    values = json.loads(text)
+  except UnicodeDecodeError as error:
+    raise WorkdirError(f'{path} is damaged (not UTF-8 text: {error.reason} at byte {error.start}); {fix}') from None
   except json.JSONDecodeError as error:
-    raise WorkdirError(f'{path} is damaged ({error.msg} at line {error.lineno}); restore it from a copy, or '
-                       f'rewrite it with the run\'s config (train.py writes it at start-up)') from None
+    raise WorkdirError(f'{path} is damaged ({error.msg} at line {error.lineno}); {fix}') from None
+  if not isinstance(values, dict) or not isinstance(values.get('model'), dict):
+    raise WorkdirError(f'{path} is damaged (it holds JSON that is not a run config: no "model" object); {fix}')
+  try:
+    config = settings.saved(text)
+    settings.check(config)
+  except (ConfigError, TypeError, ValueError, AttributeError) as error:
+    raise WorkdirError(f'{path} is damaged or not a run config ({str(error).split(";")[0]}); {fix}') from None
+  return config

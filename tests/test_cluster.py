@@ -148,4 +148,4 @@ def test_start_passes_the_arguments(monkeypatch):
   config.coordinator_address, config.num_processes, config.process_id = 'localhost:5', 2, 1
   assert cluster.start(settings.resolve(config).cluster).kind.startswith('explicit coordinator')
   assert calls == [{'coordinator_address': 'localhost:5', 'num_processes': 2, 'process_id': 1,
-                    'heartbeat_timeout_seconds': 7, 'shutdown_timeout_seconds': 60}]
+                    'heartbeat_timeout_seconds': 7, 'shutdown_timeout_seconds': 60, 'initialization_timeout': 360}]

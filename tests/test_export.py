@@ -96,7 +96,7 @@ def test_int8_export_and_bad_requests(workdir, tmp_path):
   translator = ctranslate2.Translator(str(tmp_path / 'int8'), device='cpu')
   assert len(translator.translate_batch([['▁a', '▁man']], beam_size=4)[0].hypotheses[0]) >= 1
   for flags, message in ((['--quantization=int3'], '--quantization=int3 is not one CTranslate2 offers'),
-                         ([], 'exists and is not empty')):
+                         ([], 'is not empty; choose a new --output')):
     result = _export(directory, tmp_path / 'int8', *flags)
     errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
     assert result.returncode == 1 and len(errors) == 1 and message in errors[0], result.stderr[-1500:]

@@ -9,6 +9,7 @@ import pytest
 
 from configs import tiny
 from flax_transformer import plan
+from flax_transformer.commands import plan as plan_command
 from tests.conftest import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +25,9 @@ def run_plan(*flags):
 
 @pytest.mark.slow
 def test_plan_of_the_tiny_config():
-  result = run_plan('--devices=4', "--mesh=(2,2,1)", '--peak_tflops=1', '--mfu=0.5', '--device_memory_gb=16')
+  # The config's own mesh, its -1 filled with the remaining devices (no --mesh): (2, 2, 1) on 4 devices.
+  result = run_plan('--devices=4', "--config.mesh_shape=(2,-1,1)", '--peak_tflops=1', '--mfu=0.5',
+                    '--device_memory_gb=16')
   assert result.returncode == 0, result.stderr[-2000:]
   print(result.stdout)
   figures = json.loads(result.stdout.strip().splitlines()[-1])
@@ -78,7 +81,7 @@ def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
   sharded = plan.total_bytes(plan.compile_step(config, (1, 8, 1)))
   assert sharded < replicated
   limit_gb = (sharded + replicated) / 2 / 1e9
-  figures = plan.plan(config, 8, '(8,1,1)', device_memory_gb=limit_gb)
+  figures = plan.plan(config, 8, (8, 1, 1), device_memory_gb=limit_gb)
   assert figures['fits'] is False
   assert figures['fix']['flags'] == '--mesh=(1, 8, 1)'
   assert figures['fix']['total_bytes_per_device'] <= limit_gb * 1e9
@@ -89,8 +92,9 @@ def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
     ({'devices': -4}, '--devices=-4 must be at least 1'),
     ({'mfu': 0.0}, '--mfu=0.0 must be in (0, 1]'),
     ({'peak_tflops': -1.0}, '--peak_tflops=-1.0 must be 0'),
-    ({'mesh': 'banana'}, "--mesh=banana is not three positive sizes"),
-    ({'mesh': '(1, 0, 1)'}, 'is not three positive sizes'),
+    ({'mesh': 'banana'}, "--mesh=banana is not three sizes"),
+    ({'mesh': '(1, 0, 1)'}, 'is not three sizes (data, fsdp, model), each positive or one of them -1'),
+    ({'mesh': '(-1, -1, 1)'}, 'is not three sizes'),
 ])
 def test_bad_flags_are_refused_before_compiling(flags, message):
   import types
@@ -98,5 +102,6 @@ def test_bad_flags_are_refused_before_compiling(flags, message):
   values = types.SimpleNamespace(**{'devices': 8, 'mfu': 0.4, 'peak_tflops': 0.0, 'device_memory_gb': None,
                                     'mesh': '', **flags})
   with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)').replace(']', r'\]')):
-    plan.check_flags(values)
-  assert plan._take_devices_flag(['--devices=-4']) == 1 and plan._take_devices_flag(['--devices', '16']) == 16
+    plan_command.check_flags(values)
+  assert plan_command._devices_flag(['--devices=-4']) == 1 and plan_command._devices_flag(['--devices', '16']) == 16
+  assert plan_command.parse_mesh('(-1, 8, 1)') == (-1, 8, 1)

@@ -299,6 +299,8 @@ def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
         f'error: saving the checkpoint at step 6 in {workdir} failed ({cause}')
     assert stderr.strip().endswith('the run stopped and checkpoint 3 is the newest intact one')
     assert checkpointing.available_steps(workdir) == [3]
+    assert len(stderr.strip().splitlines()) == 1, stderr[-3000:]  # no traceback from Orbax's thread beside it
+    assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3']  # the partial save removed
 
 
 def _step_losses(workdir):

@@ -199,7 +199,7 @@ def test_average_refuses_an_output_that_would_destroy_the_run(trained, tmp_path)
   shutil.copytree(workdir, copy)
   (tmp_path / 'file.txt').write_text('x')
   before = sorted(p.name for p in (copy / 'checkpoints').iterdir())
-  for output, message in ((copy, 'is the workdir'), (tmp_path, 'contains the workdir'),
+  for output, message in ((copy, 'is the workdir'), (tmp_path, 'holds the workdir'),
                           (copy / 'averaged', 'is inside the workdir'), (tmp_path / 'file.txt', 'is a file')):
     result = subprocess.run([sys.executable, '-m', 'flax_transformer.average', f'--workdir={copy}', f'--output={output}',
                              '--overwrite'], env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -215,10 +215,9 @@ def test_installed_commands_are_the_scripts(tmp_path):
   import shutil
   from importlib.metadata import entry_points
   commands = {e.name: e.value for e in entry_points(group='console_scripts') if e.name.startswith('flax-transformer-')}
-  assert commands == {'flax-transformer-train': 'flax_transformer.commands.train:console',
-                      'flax-transformer-translate': 'flax_transformer.commands.translate:console',
-                      'flax-transformer-average': 'flax_transformer.average:console',
-                      'flax-transformer-plan': 'flax_transformer.plan:console'}
+  assert commands == {f'flax-transformer-{name}': f'flax_transformer.commands.{module}:console' for name, module in (
+      ('train', 'train'), ('translate', 'translate'), ('average', 'average'), ('export', 'export'), ('plan', 'plan'),
+      ('inspect', 'inspect_batches'))}
   for script, module in (('train.py', 'flax_transformer.commands.train'), ('translate.py', 'flax_transformer.commands.translate')):
     assert f'from {module} import console' in open(os.path.join(ROOT, script)).read()
   installed = shutil.which('flax-transformer-translate')

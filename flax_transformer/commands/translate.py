@@ -22,31 +22,34 @@ import threading
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up chatter
 
-from absl import app, flags, logging
+def define(flag_values, argv) -> None:
+  from absl import flags
+  define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
+      name, default, help_string, flag_values=flag_values, **kw)
+  define('string', 'workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/).')
+  define('string', 'checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
+  define('integer', 'step', None, 'Use this checkpoint step alone.')
+  define('integer', 'average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
+  define('string', 'input', '-', 'Source text file (plain or .gz), or - for stdin, read line by line.')
+  define('string', 'output', '-', 'Where to write the output lines, or - for stdout.')
+  define('string', 'reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
+         'targets to score.')
+  define('integer', 'beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
+  define('float', 'alpha', None, 'Length-penalty exponent (default: the config\'s).')
+  define('integer', 'batch_tokens', None, 'Source tokens per decoding batch (default: config eval_tokens_per_batch).')
+  define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
+  define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
+  define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
+         'layer\'s cross-attention).')
+  define('float', 'stream_wait', 0.05, 'With --input=-: seconds to wait for more lines before translating those '
+         'that have arrived.')
+  flags.DEFINE_enum('bleu_tokenize', None, ['13a', 'none', 'intl', 'zh', 'char'], 'sacreBLEU tokenizer (default: the '
+                    'config\'s bleu_tokenize): 13a for detokenized text, none for pre-tokenized references.',
+                    flag_values=flag_values)
+  define('bool', 'lowercase', False, 'Case-insensitive BLEU.')
+  define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
+         'punctuation, instead of cutting them (a warning counts them either way).')
 
-flags.DEFINE_string('workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/).')
-flags.DEFINE_string('checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
-flags.DEFINE_integer('step', None, 'Use this checkpoint step alone.')
-flags.DEFINE_integer('average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
-flags.DEFINE_string('input', '-', 'Source text file (plain or .gz), or - for stdin, read line by line.')
-flags.DEFINE_string('output', '-', 'Where to write the output lines, or - for stdout.')
-flags.DEFINE_string('reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
-                    'targets to score.')
-flags.DEFINE_integer('beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
-flags.DEFINE_float('alpha', None, 'Length-penalty exponent (default: the config\'s).')
-flags.DEFINE_integer('batch_tokens', None, 'Source tokens per decoding batch (default: config eval_tokens_per_batch).')
-flags.DEFINE_integer('n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
-flags.DEFINE_bool('score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
-flags.DEFINE_bool('alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder layer\'s cross-attention).')
-flags.DEFINE_float('stream_wait', 0.05, 'With --input=-: seconds to wait for more lines before translating those '
-                   'that have arrived.')
-flags.DEFINE_enum('bleu_tokenize', None, ['13a', 'none', 'intl', 'zh', 'char'],
-                  'sacreBLEU tokenizer (default: the config\'s bleu_tokenize): 13a for detokenized text, '
-                  'none for pre-tokenized references.')
-flags.DEFINE_bool('lowercase', False, 'Case-insensitive BLEU.')
-flags.DEFINE_bool('split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
-                  'punctuation, instead of cutting them (a warning counts them either way).')
-flags.mark_flags_as_required(['workdir'])
 
 STREAM_LINES = 256  # the most stdin lines translated together
 
@@ -71,10 +74,19 @@ def check_flags(f) -> None:
     raise UserError(f'--stream_wait={f.stream_wait} must be 0 or more seconds')
   for name in ('input', 'reference'):
     path = getattr(f, name)
-    if path and path != '-' and not storage.path(path).exists():
-      raise parallel_text.DataError(f'--{name} file {path} does not exist; check the --{name} path')
+    if path and path != '-':
+      parallel_text.check_file(path, f'--{name}')
+  storage.check_output(f'--output={f.output}', f.output, reads(f))
   if f.output != '-':
+    if storage.path(f.output).is_dir():
+      raise UserError(f'--output={f.output} is a folder; give the name of the file to write')
     storage.check_writable(storage.path(f.output).parent, 'the folder of --output', 'choose another --output')
+
+
+def reads(f, vocabulary: str = '') -> dict:
+  """What translate reads, none of which --output may be, hold or sit inside."""
+  return {'the workdir': f.workdir, 'the checkpoint folder': f.checkpoint_dir, 'the input': f.input,
+          'the reference': f.reference, 'the vocabulary': vocabulary}
 
 
 def stdin_chunks(wait: float):
@@ -140,7 +152,7 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
   return best, best
 
 
-def run(f) -> None:
+def translate(f) -> None:
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()
   import jax
@@ -155,6 +167,7 @@ def run(f) -> None:
                                    f'give the reference of this input')
   settings = {'batch_tokens': f.batch_tokens} if f.batch_tokens else {}
   translator = Translator.from_workdir(f.workdir, f.step, f.average_last, f.checkpoint_dir, **settings)
+  storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
   print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
         f'{jax.device_count()} {jax.default_backend()} device(s)', file=sys.stderr, flush=True)
@@ -180,6 +193,10 @@ def run(f) -> None:
       written += lines
   if progress:
     print(file=sys.stderr)
+  if f.score and done != len(references):
+    raise parallel_text.DataError(f'standard input had {done} lines but {f.reference} has {len(references)}; '
+                                  f'give the reference of this input (the {done} scores written are those of its '
+                                  f'first {done} lines)')
   if not to_stdout:  # written whole, then renamed into place: never a half-written output
     data = ''.join(line + '\n' for line in written).encode('utf-8')
     storage.write_atomic(f.output, gzip.compress(data) if f.output.endswith('.gz') else data)
@@ -196,21 +213,15 @@ def run(f) -> None:
       print(f'BLEU = {score:.2f} ({label})', file=sys.stderr)
 
 
-def main(argv):
-  if not flags.FLAGS['verbosity'].present:  # Orbax logs every read at INFO; --verbosity=0 shows it
-    logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from flax_transformer.errors import UserError
-  try:
-    run(flags.FLAGS)
-  except UserError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(1)
+def main(argv: list[str]) -> int:
+  """The program on `argv`; returns its exit status (flax_transformer.commands)."""
+  from flax_transformer import commands
+  return commands.run(argv, define, translate, __doc__, required=('workdir',))
 
 
 def console():
-  app.run(main)
+  from flax_transformer import commands
+  commands.console(main)
 
 
 if __name__ == '__main__':

@@ -10,8 +10,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from absl import app  # noqa: E402
-
 from flax_transformer.commands import train  # noqa: E402
 from flax_transformer import tokenizer  # noqa: E402
 
@@ -27,4 +25,4 @@ def slow_train_or_load(data, workdir, corpus):
 tokenizer.train_or_load = slow_train_or_load
 
 if __name__ == '__main__':
-  app.run(train.main)
+  train.console()

@@ -1,0 +1,42 @@
+"""§6.1 checkpoint averaging: python -m flax_transformer.average --workdir=DIR --output=OUT [--last=K]
+
+Averages the parameters of the last K checkpoints of a run (default: the run's config.average_last) into
+OUT, a workdir translate.py reads directly (python translate.py --workdir=OUT). OUT may not be, hold or sit
+inside DIR; it is written beside and swapped in when complete. Installed as `flax-transformer-average`.
+"""
+
+
+
+def define(flag_values, argv) -> None:
+  from absl import flags
+  flags.DEFINE_string('workdir', None, 'Training workdir.', flag_values=flag_values)
+  flags.DEFINE_integer('last', None, 'How many of the latest checkpoints to average (default: config.average_last).',
+                       flag_values=flag_values)
+  flags.DEFINE_string('output', None, 'Directory for the averaged model (a workdir translate.py reads).',
+                      flag_values=flag_values)
+  flags.DEFINE_bool('overwrite', False, 'Replace a non-empty --output (only once the new average is written).',
+                    flag_values=flag_values)
+
+
+def average(f) -> None:
+  from flax_transformer import tensorflow_setup
+  tensorflow_setup.import_quietly()
+  from flax_transformer import average as averaging, storage
+  chosen = averaging.write_averaged_workdir(f.workdir, f.output, f.last, f.overwrite)
+  print(f'averaged steps {chosen} into {storage.path(storage.resolved(f.output))}; translate with: '
+        f'python translate.py --workdir={f.output}')
+
+
+def main(argv: list[str]) -> int:
+  """The program on `argv`; returns its exit status (flax_transformer.commands)."""
+  from flax_transformer import commands
+  return commands.run(argv, define, average, __doc__, required=('workdir', 'output'))
+
+
+def console():
+  from flax_transformer import commands
+  commands.console(main)
+
+
+if __name__ == '__main__':
+  console()

@@ -1,0 +1,360 @@
+"""Bad input, case by case, as a new user types it: each case a command (run in-process through its program's
+`main`, or as a process where only a process shows the behaviour) or a library call, with the first line it
+prints, its exit status, and the files that must be exactly as they were afterwards.
+
+Placeholders in a case: {W} the suite's trained tiny run (shared: only read), {C} a copy of it the case may
+damage, {A} an average of it, {T} the case's own folder (holding in.txt, three source lines), {corpus} the
+run's corpus.
+"""
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from flax_transformer import checkpointing
+from flax_transformer.commands import average, export, train, translate
+from flax_transformer.errors import ArgumentError
+from tests.conftest import ROOT, TRAINED_STEPS, free_port, subprocess_env, train_command
+
+PROGRAMS = {'translate': translate.main, 'train': train.main, 'average': average.main, 'export': export.main}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  id: str
+  argv: tuple  # a program of PROGRAMS and its flags, with placeholders
+  status: int
+  first: str  # the start of the first stderr line that begins with 'error: ' or 'warning: '
+  unchanged: tuple = ('{W}',)  # files and folders whose every file must be byte for byte as before
+  prepare: Callable | None = None  # (paths) -> None, before the run: damage {C}, write a file...
+  stdin: bytes = b''
+  after: Callable | None = None  # (paths) -> None: more checks once the case has run
+
+
+def _truncate(path, fraction=0.5):
+  with open(path, 'r+b') as f:
+    f.truncate(int(os.path.getsize(path) * fraction))
+
+
+def _truncate_largest_array(p, step=TRAINED_STEPS):
+  folder = os.path.join(p['C'], 'checkpoints', str(step), 'params')
+  files = [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if os.path.basename(d) == 'd']
+  _truncate(max(files, key=os.path.getsize))
+
+
+def _lines(path) -> int:
+  with open(path) as f:
+    return f.read().count('\n')
+
+
+def _write(relative: str, data: bytes):
+  def prepare(p):
+    path = relative.format(**p)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'wb') as f:
+      f.write(data)
+  return prepare
+
+
+def _symlink(link: str, target: str):
+  return lambda p: os.symlink(target.format(**p), link.format(**p))
+
+
+def _corpus_variants(p):
+  """Training files with one fault each, beside the good ones."""
+  corpus = p['corpus']
+  with gzip.open(f'{corpus}/train.src.gz', 'rb') as f:
+    sources = f.read().split(b'\n')
+  with gzip.open(f'{corpus}/train.tgt.gz', 'rb') as f:
+    targets = f.read().split(b'\n')
+  with gzip.open(f'{p["T"]}/short.tgt.gz', 'wb') as f:
+    f.write(b'\n'.join(targets[:150]) + b'\n')
+  sources[100] = b'\xff\xfe not UTF-8'
+  with gzip.open(f'{p["T"]}/latin1.src.gz', 'wb') as f:
+    f.write(b'\n'.join(sources))
+  with open(f'{corpus}/train.src.gz', 'rb') as f:
+    whole = f.read()
+  with open(f'{p["T"]}/cut.src.gz', 'wb') as f:
+    f.write(whole[:len(whole) // 2])
+
+
+def _another_model(p):
+  """A workdir whose config.json is gone and whose checkpoints hold a model of another width."""
+  os.remove(f'{p["C"]}/config.json')
+
+
+def _empty_folder(relative):
+  return lambda p: os.makedirs(relative.format(**p))
+
+
+TRAIN = ('train',) + tuple(train_command('{T}/run', '{corpus}')[2:])  # the suite's tiny training command
+
+
+def _train(*flags, workdir='{T}/run'):
+  """The training command on `workdir`, over this process's devices (the suite's 8 CPU devices)."""
+  kept = tuple(a for a in TRAIN if not a.startswith(('--workdir=', '--config.mesh_shape=')))
+  return kept + (f'--workdir={workdir}', '--config.mesh_shape=(-1,1,1)') + flags
+
+
+CASES = [
+    # translate: its outputs never land on what it reads
+    Case('translate_output_is_the_workdirs_config', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--output={W}/config.json'), 1, 'error: --output={W}/config.json is inside the workdir {W}, which this '
+         'program reads; write the output to a place outside it'),
+    Case('translate_output_is_the_vocabulary', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--output={W}/sentencepiece.model'), 1, 'error: --output={W}/sentencepiece.model is inside the workdir {W}'),
+    Case('translate_output_is_the_input', ('translate', '--workdir={W}', '--input={T}/in.txt', '--output={T}/in.txt'),
+         1, 'error: --output={T}/in.txt is the input {T}/in.txt', unchanged=('{W}', '{T}/in.txt')),
+    Case('translate_output_through_a_link_into_the_workdir', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--output={T}/link/config.json'), 1, 'error: --output={T}/link/config.json is inside the workdir {W}',
+         prepare=_symlink('{T}/link', '{W}')),
+    Case('translate_output_spelled_with_dots', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--output={T}/../{T_name}/in.txt'), 1, 'error: --output={T}/../{T_name}/in.txt is the input {T}/in.txt',
+         unchanged=('{W}', '{T}/in.txt')),
+    Case('translate_input_is_a_folder', ('translate', '--workdir={W}', '--input={T}'), 1,
+         'error: --input {T} is a folder; give the path of a text file'),
+    Case('translate_output_is_a_folder', ('translate', '--workdir={W}', '--input={T}/in.txt', '--output={T}/out'), 1,
+         'error: --output={T}/out is a folder; give the name of the file to write', prepare=_empty_folder('{T}/out')),
+    Case('translate_config_json_of_random_bytes', ('translate', '--workdir={C}', '--input={T}/in.txt'), 1,
+         'error: {C}/config.json is damaged (not UTF-8 text', prepare=_write('{C}/config.json', bytes(range(256)))),
+    Case('translate_config_json_of_another_shape', ('translate', '--workdir={C}', '--input={T}/in.txt'), 1,
+         'error: {C}/config.json is damaged (it holds JSON that is not a run config', prepare=_write(
+             '{C}/config.json', b'[1, 2, 3]')),
+    Case('translate_config_json_missing_a_field', ('translate', '--workdir={C}', '--input={T}/in.txt'), 1,
+         'error: {C}/config.json is damaged or not a run config (config.adam_b1 is missing); restore it', prepare=_write(
+             '{C}/config.json', json.dumps({'model': {'d_model': 16}}).encode())),
+    Case('translate_truncated_vocabulary', ('translate', '--workdir={C}', '--input={T}/in.txt'), 1,
+         'error: vocabulary file {C}/sentencepiece.model is damaged (not a SentencePiece model); restore it',
+         prepare=lambda p: _truncate(f'{p["C"]}/sentencepiece.model')),
+    Case('translate_falls_back_past_a_damaged_latest_checkpoint', ('translate', '--workdir={C}', '--input={T}/in.txt',
+         '--average_last=1', '--output={T}/out.txt'), 0, f'warning: checkpoint {TRAINED_STEPS} in {{C}} is damaged (',
+         unchanged=('{C}',), prepare=_truncate_largest_array,
+         after=lambda p: _lines(f'{p["T"]}/out.txt') == 3 or pytest.fail('no output written')),
+    Case('translate_a_damaged_checkpoint_asked_for', ('translate', '--workdir={C}', '--input={T}/in.txt',
+         f'--step={TRAINED_STEPS}'), 1, f'error: checkpoint {TRAINED_STEPS} in {{C}} is damaged (', unchanged=('{C}',),
+         prepare=_truncate_largest_array),
+    Case('translate_score_with_a_longer_reference_on_stdin', ('translate', '--workdir={W}', '--input=-', '--score',
+         '--reference={T}/ref.txt'), 1, 'error: standard input had 3 lines but {T}/ref.txt has 7',
+         prepare=_write('{T}/ref.txt', b'x\n' * 7), stdin=b'red house\nthe cat\na dog\n'),
+    Case('translate_checkpoint_dir_missing', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--checkpoint_dir={T}/nothing'), 1, 'error: --checkpoint_dir={T}/nothing is not a folder; give the '
+         'checkpoints/ folder of a run'),
+    Case('translate_checkpoint_dir_empty', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--checkpoint_dir={T}/empty'), 1, 'error: --checkpoint_dir={T}/empty holds no checkpoint',
+         prepare=_empty_folder('{T}/empty')),
+    # export and average: never onto, into or around the workdir
+    Case('export_over_the_workdir', ('export', '--workdir={W}', '--output={W}', '--overwrite'), 1,
+         'error: --output={W} is the workdir {W}, which this program reads'),
+    Case('export_over_the_folder_holding_the_workdir', ('export', '--workdir={T}/run', '--output={T}', '--overwrite'),
+         1, 'error: --output={T} holds the workdir {T}/run', unchanged=('{T}',),
+         prepare=lambda p: shutil.copytree(p['W'], f'{p["T"]}/run')),
+    Case('export_onto_a_file', ('export', '--workdir={W}', '--output={T}/in.txt', '--overwrite'), 1,
+         'error: --output={T}/in.txt is a file; give a folder', unchanged=('{W}', '{T}/in.txt')),
+    Case('average_through_a_link_to_the_workdir', ('average', '--workdir={C}', '--output={T}/link', '--overwrite'), 1,
+         'error: --output={T}/link is the workdir {C}', unchanged=('{C}',), prepare=_symlink('{T}/link', '{C}')),
+    Case('average_replaces_a_linked_folder_through_its_link', ('average', '--workdir={W}', '--output={T}/link',
+         '--overwrite'), 0, '', prepare=lambda p: (os.makedirs(f'{p["T"]}/old'), _symlink('{T}/link', '{T}/old')(p)),
+         after=lambda p: (os.path.islink(f'{p["T"]}/link') and checkpointing.available_steps(f'{p["T"]}/old')
+                          == [TRAINED_STEPS]) or pytest.fail('the link or its folder was not kept')),
+    # train: the real cause, before anything is written or compiled
+    Case('train_unknown_config_field', _train('--config.nope=1'), 2, "error: --config.nope: the config has no field "
+         "'nope'; configs/base.py lists every field"),
+    Case('train_misspelt_model_field', _train('--config.model.d_modle=32'), 2, "error: --config.model.d_modle: the "
+         "config has no field 'model.d_modle'; did you mean --config.model.d_model?"),
+    Case('train_config_file_with_a_syntax_error', ('train', '--config={T}/bad.py', '--workdir={T}/run'), 1,
+         'error: --config={T}/bad.py cannot be loaded (SyntaxError at line 1: ', prepare=_write(
+             '{T}/bad.py', b'def get_config(:\n')),
+    Case('train_source_is_a_folder', _train('--config.train_source={T}'), 1,
+         'error: config.train_source={T} is a folder; give the path of a text file'),
+    Case('train_files_of_different_lengths', _train('--config.train_target={T}/short.tgt.gz'), 1,
+         'error: {corpus}/train.src.gz has 200 lines but {T}/short.tgt.gz has 150; parallel files must have',
+         prepare=_corpus_variants),
+    Case('train_a_line_that_is_not_utf8', _train('--config.train_source={T}/latin1.src.gz'), 1,
+         'error: {T}/latin1.src.gz: line 101 is not valid UTF-8', prepare=_corpus_variants),
+    Case('train_a_truncated_gzip_file', _train('--config.train_source={T}/cut.src.gz'), 1,
+         'error: {T}/cut.src.gz is not a readable gzip file', prepare=_corpus_variants),
+    Case('train_missing_evaluation_file', _train('--config.eval_target={T}/none.gz'), 1,
+         'error: config.eval_target={T}/none.gz does not exist',
+         after=lambda p: not os.path.exists(f'{p["T"]}/run') or pytest.fail('the workdir was created')),
+    Case('train_on_an_averaged_workdir', _train(workdir='{A}'), 1, f'error: checkpoint {TRAINED_STEPS} in {{A}} holds '
+         'parameters only (an averaged model), not a training state; translate with it, or train from it in a new '
+         'workdir with --config.init_from={A}', unchanged=('{A}',)),
+    Case('train_on_checkpoints_of_another_model', _train('--config.model.d_ff=48', workdir='{C}'), 1,
+         f'error: checkpoint {TRAINED_STEPS} in {{C}} holds another model (parameter decoder/feed_forward/wi_bias of '
+         'shape (2, 32) where this model has it of shape (2, 48))', unchanged=('{C}',), prepare=_another_model),
+    Case('train_on_a_damaged_config_json', _train(workdir='{C}'), 1, 'error: {C}/config.json is damaged (not UTF-8',
+         unchanged=('{C}',), prepare=_write('{C}/config.json', b'\x89\xff' * 64)),
+    Case('train_from_a_missing_init_from', _train('--config.init_from={T}/nothing'), 1,
+         'error: --config.init_from={T}/nothing is not a folder; point --config.init_from at a directory written'),
+    Case('train_fine_tuning_into_its_source', _train('--config.init_from={C}', workdir='{C}'), 1,
+         'error: --workdir={C} is the run of --config.init_from {C}', unchanged=('{C}',)),
+    Case('train_data_file_where_training_writes', _train('--config.train_source={C}/config.json', workdir='{C}'), 1,
+         'error: {C}/config.json, which training writes, is config.train_source {C}/config.json', unchanged=('{C}',)),
+]
+
+
+def _snapshot(paths: list[str]) -> dict:
+  """{file: sha1} of every file under each path (links not followed), to compare before and after."""
+  digests = {}
+  for top in paths:
+    for root, _, names in ([(os.path.dirname(top), None, [os.path.basename(top)])] if os.path.isfile(top)
+                           else os.walk(top)):
+      for name in names:
+        path = os.path.join(root, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+          with open(path, 'rb') as f:
+            digests[path] = hashlib.sha1(f.read()).hexdigest()
+  return digests
+
+
+@pytest.fixture(scope='module')
+def averaged(trained_run, tmp_path_factory):
+  """The trained run's average (python -m flax_transformer.average), shared by the cases that only read it."""
+  output = str(tmp_path_factory.mktemp('averaged') / 'avg')
+  assert average.main(['average', f'--workdir={trained_run[0]}', f'--output={output}']) == 0
+  return output
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, trained_run, averaged, tmp_path, capsys, monkeypatch):
+  workdir, corpus = trained_run
+  paths = {'W': workdir, 'C': str(tmp_path / 'copy'), 'A': averaged, 'T': str(tmp_path / 'case'), 'corpus': corpus}
+  paths['T_name'] = os.path.basename(paths['T'])
+  os.makedirs(paths['T'])
+  with open(f'{paths["T"]}/in.txt', 'w') as f:
+    f.write('red house\nthe cat sat\na dog\n')
+  shutil.copytree(workdir, paths['C'])
+  if case.prepare:
+    case.prepare(paths)
+  unchanged = [u.format(**paths) for u in case.unchanged]
+  before = _snapshot(unchanged)
+  monkeypatch.setattr(sys, 'stdin', io.TextIOWrapper(io.BytesIO(case.stdin)))
+  capsys.readouterr()
+  status = PROGRAMS[case.argv[0]]([case.argv[0]] + [a.format(**paths) for a in case.argv[1:]])
+  stderr = capsys.readouterr().err
+  said = [line for line in stderr.splitlines() if line.startswith(('error: ', 'warning: '))]
+  assert status == case.status, stderr[-3000:]
+  if case.first:
+    assert said and said[0].startswith(case.first.format(**paths)), stderr[-3000:]
+  if case.status:
+    assert len([line for line in said if line.startswith('error: ')]) == 1, stderr[-3000:]
+  assert 'Traceback' not in stderr, stderr[-3000:]
+  assert _snapshot(unchanged) == before  # nothing lost: not a byte of what the case read has changed
+  if case.after:
+    case.after(paths)
+
+
+CALLS = [
+    ('translate(None)', lambda t: t.translate(None), 'sentences must be a list of strings, not NoneType'),
+    ('translate([42])', lambda t: t.translate([42]), 'sentences[0] is int 42, not a string; give text'),
+    ("translate(['a', None])", lambda t: t.translate(['a', None]), 'sentences[1] is NoneType None, not a string'),
+    ("translate('A dog runs.')", lambda t: t.translate('A dog runs.'), "sentences must be a list of strings, not a "
+     "single str; for one sentence pass a list of one: ['A dog runs.']"),
+    ("translate([b'bytes'])", lambda t: t.translate([b'bytes']), "sentences[0] is bytes b'bytes', not a string; "
+     "decode it to str first"),
+    ("n_best('a', 2)", lambda t: t.n_best('a', 2), 'sentences must be a list of strings, not a single str'),
+    ("score(['a'], 'b')", lambda t: t.score(['a'], 'b'), 'targets must be a list of strings, not a single str'),
+    ("alignments([1], ['b'])", lambda t: t.alignments([1], ['b']), 'sources[0] is int 1, not a string'),
+]
+
+
+@pytest.mark.parametrize('call,expected', [(c[1], c[2]) for c in CALLS], ids=[c[0] for c in CALLS])
+def test_translator_arguments(call, expected, trained_run):
+  from flax_transformer.translator import Translator
+  translator = _translator(trained_run[0])
+  with pytest.raises(ArgumentError) as error:
+    call(translator)
+  assert str(error.value).startswith(expected) and '\n' not in str(error.value)
+  assert isinstance(error.value, TypeError) and Translator  # a type error, as Python's own
+
+
+_TRANSLATORS = {}
+
+
+def _translator(workdir):
+  from flax_transformer.translator import Translator
+  if workdir not in _TRANSLATORS:
+    _TRANSLATORS[workdir] = Translator.from_workdir(workdir)
+  return _TRANSLATORS[workdir]
+
+
+# --- What only a process shows: several processes, signals, a storage server that stops answering -----------------
+
+def _started(command, env=None, **kwargs):
+  return subprocess.Popen(command, env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, **kwargs)
+
+
+def _errors(stderr: str) -> list[str]:
+  return [line for line in stderr.splitlines() if line.startswith('error: ')]
+
+
+@pytest.mark.slow
+def test_what_only_a_process_shows(trained_run, gcs, tmp_path):
+  """Five cases at once (each waits on a timeout or a signal, not the CPU): process 0 of 2 started alone; two
+  processes of one run with different seeds; a gs:// workdir whose server cannot be reached; a gs:// server that
+  stops answering mid-run; SIGINT pressed twice."""
+  _, corpus = trained_run
+  base = [sys.executable] + train_command('{workdir}', corpus, 30)[1:]
+  command = lambda workdir, *extra: [a.format(workdir=workdir) for a in base] + list(extra)
+  port = free_port()
+  alone = _started(command(tmp_path / 'alone', '--config.num_processes=2', f'--config.coordinator_address=localhost:'
+                           f'{port}', '--config.process_id=0', '--config.initialization_timeout_seconds=5'))
+  port = free_port()
+  seeds = [_started(command(tmp_path / 'seeds', '--config.num_processes=2', '--config.mesh_shape=(2,1,1)',
+                            f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}',
+                            f'--config.seed={i}')) for i in (0, 1)]
+  closed = free_port()
+  unreachable = _started(command('gs://bucket/unreachable'), env=dict(
+      subprocess_env(), STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{closed}', TENSORSTORE_GCS_HTTP_URL=f'http://127.0.0.1:{closed}'))
+  proxy_port, freeze = free_port(), tmp_path / 'freeze'
+  emulator_port = gcs['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]
+  proxy = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'helpers', 'freezing_proxy.py'),
+                            str(proxy_port), emulator_port, str(freeze)])
+  proxied = {**gcs, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{proxy_port}',
+             'TENSORSTORE_GCS_HTTP_URL': f'http://127.0.0.1:{proxy_port}'}
+  frozen = _started(command(f'gs://bucket/frozen_{os.getpid()}', '--config.storage_timeout_seconds=5'),
+                    env=dict(subprocess_env(), **proxied))
+  interrupted = _started(command(tmp_path / 'sigint', '--config.num_train_steps=400'))
+  try:
+    cues = ((frozen, 'step 4/', freeze.touch), (interrupted, 'step 5/', lambda: interrupted.send_signal(signal.SIGINT)),
+            (interrupted, 'SIGINT received: the run stops', lambda: interrupted.send_signal(signal.SIGINT)))
+    for process, cue, act in cues:  # each act once its cue is printed
+      for line in process.stdout:
+        if line.startswith(cue):
+          act()
+          break
+    outcomes = {name: (p.wait(timeout=300), *p.communicate()[::-1]) for name, p in (
+        ('alone', alone), ('seed 0', seeds[0]), ('seed 1', seeds[1]), ('unreachable', unreachable),
+        ('frozen', frozen), ('interrupted', interrupted))}
+  finally:
+    for process in (alone, *seeds, unreachable, frozen, interrupted, proxy):
+      process.kill()
+  expected = {
+      'alone': 'error: process 0 of 2: process 1 did not join within 5 s (waiting as the coordinator at localhost:',
+      'seed 0': 'error: process 1 of 2: config.seed=1 but process 0 has 0 (1 field(s) differ); start every process',
+      'seed 1': 'error: process 1 of 2: config.seed=1 but process 0 has 0 (1 field(s) differ); start every process',
+      'unreachable': f'error: --workdir=gs://bucket/unreachable: the storage server 127.0.0.1:{closed} cannot be '
+                     f'reached (',
+      'frozen': 'did not finish within 5 s: the storage stopped answering',
+  }
+  for name, start in expected.items():
+    status, stderr, _ = outcomes[name]
+    errors = _errors(stderr)
+    assert status == 1 and len(errors) == 1 and (errors[0].startswith(start) or start in errors[0]), (name, stderr[-2000:])
+    assert 'Traceback' not in stderr, (name, stderr[-2000:])
+  status, stderr, stdout = outcomes['interrupted']
+  assert status == 0 and 'Traceback' not in stderr, stderr[-2000:]
+  assert 'SIGINT received again: the run is saving its checkpoint' in stdout, stdout[-2000:]
+  assert checkpointing.available_steps(tmp_path / 'sigint')[-1] >= 5
+  assert not os.path.exists(tmp_path / 'alone' / 'config.json')  # nothing written by a run that never started
