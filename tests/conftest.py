@@ -1,5 +1,9 @@
 """Shared fixtures. Eight host CPU devices so sharded code paths run on CPU.
 
+The suite pins JAX to the CPU (JAX_PLATFORMS=cpu, before JAX starts), so it passes unchanged on a machine that
+has a GPU or TPU; the tests marked `accelerator` need one and are skipped unless TEST_ON_ACCELERATOR=1 (set by
+bench/gpu.sh, which runs them with `-m accelerator`), which leaves JAX its own platform choice.
+
 Every process the suite starts (pytest-xdist workers, train.py and translate.py subprocesses, the notebook's
 kernel) inherits one persistent compilation cache through the environment, so a program compiled once is
 loaded everywhere after. Multi-process runs are the exception: JAX writes cache entries from process 0 only
@@ -23,15 +27,19 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 if COMPILE_FLAGS not in os.environ['XLA_FLAGS']:
   os.environ['XLA_FLAGS'] += ' ' + COMPILE_FLAGS
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+ON_ACCELERATOR = os.environ.get('TEST_ON_ACCELERATOR') == '1'
+if not ON_ACCELERATOR:
+  os.environ['JAX_PLATFORMS'] = 'cpu'  # the fake CPU devices, whatever else the machine has
 os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ.get('JAX_TEST_CACHE_DIR', '/tmp/flax_transformer_jax_cache')
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-tf.config.set_visible_devices([], 'GPU')
+from flax_transformer import tensorflow_setup  # noqa: E402
+
+tensorflow_setup.import_quietly()  # tf.data only, its start-up lines silenced (they would print after the summary)
 
 from configs import tiny  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
@@ -42,9 +50,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_collection_modifyitems(items):
   """Under pytest-xdist, the slow tests first, in file order, so that the longest start at once instead of at
   the end of a worker's queue (every worker sorts the same way). A plain run keeps file order, so -x stops at
-  the first failing test of the files named, as tools/mutation_check.py expects."""
+  the first failing test of the files named, as tools/mutation_check.py expects. Tests that need an
+  accelerator are skipped unless TEST_ON_ACCELERATOR=1."""
   if os.environ.get('PYTEST_XDIST_WORKER'):
     items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+  if not ON_ACCELERATOR:
+    skip = pytest.mark.skip(reason='needs a GPU or TPU: bench/gpu.sh runs it (TEST_ON_ACCELERATOR=1)')
+    for item in items:
+      if item.get_closest_marker('accelerator'):
+        item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Cached decoding equals full recomputation; beam search against brute force; averaging."""
+"""Cached decoding equals full recomputation; beam search against brute force."""
 
 import dataclasses
 import itertools
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import checkpointing, decode
+from flax_transformer import decode
 from flax_transformer.model import Transformer
 from tests.conftest import random_batch
 
@@ -168,30 +168,3 @@ def test_blocked_top_k_equals_lax_top_k(ties, width):
   expected_values, expected_indices = jax.lax.top_k(x, 8)
   np.testing.assert_array_equal(values, expected_values)
   np.testing.assert_array_equal(indices, expected_indices)
-
-
-def test_averaging_checkpoints(tmp_path):
-  a = {'w': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.ones(3, np.float32)}
-  b = {'w': np.full((2, 3), 4.0, np.float32), 'b': np.zeros(3, np.float32)}
-  same = checkpointing.average_params([a, a, a])
-  np.testing.assert_array_equal(same['w'], a['w'])
-  mean = checkpointing.average_params([a, b])
-  np.testing.assert_allclose(mean['w'], (a['w'] + b['w']) / 2)
-  np.testing.assert_allclose(mean['b'], 0.5)
-  checkpointing.save_params(str(tmp_path / 'checkpoints'), 7, mean)
-  restored = checkpointing.restore_params(str(tmp_path), 7, mean)
-  np.testing.assert_allclose(np.asarray(restored['w']), mean['w'])
-
-
-def test_average_takes_exactly_the_last_k_checkpoints(small_model_config, tmp_path):
-  """§6.1: the last k checkpoints, no more: saved weights 1×, 2×, 3×, 4× the same tree average to 3.5× with k=2."""
-  from flax_transformer import average
-  model = Transformer(small_model_config)
-  ids = np.ones((1, 3), np.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids)['params'])
-  for i, step in enumerate((10, 20, 30, 40), 1):
-    checkpointing.save_params(str(tmp_path / 'checkpoints'), step, jax.tree_util.tree_map(lambda x: x * i, params))
-  averaged, chosen = average.averaged_params(str(tmp_path), 2, small_model_config)
-  assert chosen == [30, 40]
-  for a, b in zip(jax.tree_util.tree_leaves(averaged), jax.tree_util.tree_leaves(params)):
-    np.testing.assert_allclose(np.asarray(a), 3.5 * np.asarray(b), rtol=1e-6)

@@ -13,7 +13,6 @@ from tests.helpers.corpus import write_corpus
 
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
-  import jax
   from flax_transformer import settings, workdirs
   from flax_transformer import checkpointing, input_pipeline, partitioning, steps, tokenizer
   from flax_transformer.train_loop import data_seed

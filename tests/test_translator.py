@@ -1,6 +1,5 @@
 """flax_transformer.Translator: translations in order, n-best lists, scores, alignments, no recompilation."""
 
-import dataclasses
 
 import flax.linen as nn
 import jax

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_TESTS = 'tests/test_model.py'
+MODEL_TESTS = 'tests/test_model.py tests/test_layers.py'
 DECODE_TESTS = 'tests/test_decode.py'
 
 # (what departs from the paper, file, original fragment (unique in the file), mutated fragment, tests that catch it)
@@ -72,17 +72,17 @@ MUTATIONS = [
      "'correct': jnp.sum(correct * weights), 'tokens': jnp.asarray(weights.size, jnp.float32)}",
      'tests/test_losses.py tests/test_steps.py'),
     ('length penalty alpha 0.6 -> 1.0', 'configs/base.py', 'config.length_penalty_alpha = 0.6',
-     'config.length_penalty_alpha = 1.0', DECODE_TESTS + ' tests/test_translate.py'),
+     'config.length_penalty_alpha = 1.0', DECODE_TESTS + ' tests/test_commands_translate.py'),
     ('length penalty (5 + len) / 6 -> len', 'flax_transformer/decode.py',
      'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
      'return jnp.asarray(length, jnp.float32) ** alpha', DECODE_TESTS),
     ('maximum output input + 50 -> + 40', 'configs/base.py', 'config.max_extra_length = 50',
-     'config.max_extra_length = 40', DECODE_TESTS + ' tests/test_translate.py'),
+     'config.max_extra_length = 40', DECODE_TESTS + ' tests/test_commands_translate.py'),
     ('beam search stops early on any finished sentence', 'flax_transformer/decode.py',
      'return (step < length) & ~jnp.all(sentence_done)', 'return (step < length) & ~jnp.any(sentence_done)',
      DECODE_TESTS),
     ('checkpoint averaging over k + 1', 'flax_transformer/average.py', 'return steps[-count:]',
-     'return steps[-count - 1:]', DECODE_TESTS),
+     'return steps[-count - 1:]', 'tests/test_average.py'),
     ('three-way embedding tie broken (output projection)', 'flax_transformer/model.py',
      'return self.target_embedding.embedding', 'return jax.lax.stop_gradient(self.target_embedding.embedding) * 0.5',
      MODEL_TESTS + ' tests/test_steps.py'),

@@ -1,4 +1,5 @@
-"""translate.py end to end on a trained tiny run: order, empty lines, BLEU, averaging, one-line errors."""
+"""The translate program (commands/translate.py, translate.py) end to end on a trained tiny run: order, empty
+lines, BLEU, averaging, one-line errors."""
 
 import gzip
 import os
@@ -97,7 +98,7 @@ def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
   assert translated.returncode == 0, translated.stderr.decode()[-2000:]
   assert b'BLEU' in translated.stdout + translated.stderr
   assert len(translated.stdout.decode().splitlines()) >= 2
-  # The averaged parameters equal the mean of the checkpoints' (checked in tests/test_decode.py); the same
+  # The averaged parameters equal the mean of the checkpoints' (checked in tests/test_average.py); the same
   # through translate.py: averaging in translate.py gives the same translations.
   direct = _translate(workdir, f'--input={source}')
   assert translated.stdout.decode().splitlines()[:2] == direct.stdout.decode().splitlines()[:2]
