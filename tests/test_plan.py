@@ -1,6 +1,5 @@
 """The capacity plan compiles the real train step for N fake devices and reports consistent figures."""
 
-
 import pytest
 
 from configs import tiny
