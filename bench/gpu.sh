@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark (under 8 minutes on one H100/H200-class chip):
+# The accelerator tests (pytest -m accelerator), then one prepared GPU benchmark (under 8 minutes on one
+# H100/H200-class chip):
 # base and big train steps in float32 and bfloat16 as a fraction of the bf16 matmul peak measured in the
 # same run, beside the capacity plan's prediction for the same step (python -m flax_transformer.plan,
 # compiled on the CPU), and beam-4 decoding on newstest-like lengths. Tables go to stdout; the last line is JSON.
@@ -15,4 +16,7 @@ if [[ "${1:-}" != "--smoke" ]]; then
   fi
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
+if [[ "${1:-}" != "--smoke" ]]; then  # the tests that need an accelerator (skipped in the CPU suite)
+  TEST_ON_ACCELERATOR=1 timeout 240 python -m pytest -q -p no:cacheprovider -m accelerator tests
+fi
 timeout 470 python bench/accelerator.py "$@"
