@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_target = ''
   config.test_source = ''
   config.test_target = ''
+  config.download_url = ''  # Where missing data files are fetched from ({name}: the file's name); '': nowhere.
   config.vocab_path = ''  # An existing SentencePiece model; '' trains one into the workdir.
   config.init_from = ''  # 'WORKDIR[:STEP]': fine-tune, starting from that run's parameters and vocabulary.
   config.vocab_type = 'bpe'  # §5.1 byte-pair encoding; 'unigram' is the alternative.

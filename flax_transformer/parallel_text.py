@@ -15,7 +15,7 @@ import zlib
 
 import tensorflow as tf
 
-from flax_transformer import storage
+from flax_transformer import corpora, storage
 from flax_transformer.errors import UserError
 
 if TYPE_CHECKING:
@@ -131,9 +131,15 @@ def _split_paths(data: 'DataSettings', split: str) -> tuple[str, str]:
 
 
 def check_split(data: 'DataSettings', split: str) -> None:
-  """The split's files exist and are files (dataset 'files'; a tfds split is checked when it is read)."""
-  if data.dataset == 'files':
-    _split_paths(data, split)
+  """The split's files exist and are files (dataset 'files'; a tfds split is checked when it is read); missing
+  ones are downloaded first where config.download_url says from (corpora.fetch)."""
+  if data.dataset != 'files':
+    return
+  paths = [getattr(data, f'{split}_{side}') for side in ('source', 'target')]
+  missing = [p for p in paths if p and not storage.path(p).exists()]
+  if missing and data.download_url:
+    corpora.fetch(missing, data.download_url)
+  _split_paths(data, split)
 
 
 def _tfds_builder(data: 'DataSettings'):

@@ -36,7 +36,7 @@ ADDED = {
     'dropout_rng_impl': 'rbg', 'num_eval_bleu_sentences': 0, 'platform': '', 'coordinator_address': '',
     'num_processes': 1, 'process_id': 0, 'heartbeat_timeout_seconds': 30, 'shutdown_timeout_seconds': 60,
     'model.dropout_masks': 'auto', 'model.attention': 'auto', 'model.scan_unroll': 1,
-    'storage_timeout_seconds': 300, 'initialization_timeout_seconds': 300,
+    'storage_timeout_seconds': 300, 'initialization_timeout_seconds': 300, 'download_url': '',
 }
 
 
@@ -55,6 +55,7 @@ class DataSettings:
   eval_target: str
   test_source: str
   test_target: str
+  download_url: str  # where missing data files are fetched from, {name} for each file's name ('': nowhere)
   vocab_path: str
   vocab_type: str
   vocab_size: int  # config.model.vocab_size
