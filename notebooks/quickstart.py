@@ -130,7 +130,7 @@ plt.show()
 # ## Train (checkpoints, vocabulary and TensorBoard logs land in WORKDIR; the banner says what it runs on)
 
 # %%
-from flax_transformer import train_loop
+from flax_transformer import metrics_log, train_loop
 
 result = train_loop.train_and_evaluate(config, WORKDIR)
 print(result['eval'])
@@ -141,7 +141,7 @@ print(result['eval'])
 # %%
 import json
 
-records = [json.loads(line) for line in open(os.path.join(WORKDIR, train_loop.METRICS_FILENAME))]
+records = [json.loads(line) for line in open(os.path.join(WORKDIR, metrics_log.METRICS_FILENAME))]
 train = [(r['step'], r['loss']) for r in records if r['split'] == 'train']
 evals = [(r['step'], r['loss']) for r in records if r['split'] == 'eval']
 fig, ax = plt.subplots(figsize=(6, 3))

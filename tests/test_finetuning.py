@@ -15,7 +15,7 @@ from tests.helpers.corpus import write_corpus
 def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
   from flax_transformer import settings, workdirs
   from flax_transformer import checkpointing, input_pipeline, partitioning, steps, tokenizer
-  from flax_transformer.train_loop import data_seed
+  from flax_transformer.startup import data_seed
   source, _ = trained_run
   corpus, workdir = tmp_path / 'corpus', tmp_path / 'tuned'
   corpus.mkdir()

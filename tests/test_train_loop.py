@@ -13,7 +13,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from tools import compare_runs
-from flax_transformer import checkpointing, train_loop
+from flax_transformer import checkpointing, hooks, metrics_log, saver, train_loop
 from flax_transformer.errors import WorkdirError
 from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, subprocess_env, train_command
 from tests.helpers.corpus import write_corpus
@@ -47,11 +47,11 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
   config.eval_every_steps = 3
   workdir = str(tmp_path / 'work')
   built = []
-  monkeypatch.setattr(train_loop.token_table, 'eval_batches',
-                      lambda *args, f=train_loop.token_table.eval_batches: built.append(args) or f(*args))
+  monkeypatch.setattr(hooks.token_table, 'eval_batches',
+                      lambda *args, f=hooks.token_table.eval_batches: built.append(args) or f(*args))
   result = train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
-  with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:
+  with open(os.path.join(workdir, metrics_log.METRICS_FILENAME)) as f:
     evaluations = [json.loads(line) for line in f if '"eval"' in line]
   assert [e['step'] for e in evaluations] == [3, 6]
   assert len(built) == 1  # the validation batches are built once, not at every evaluation
@@ -211,7 +211,7 @@ def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path):
   config.learning_rate_factor = 1e30  # the first update overflows the parameters
   config.num_train_steps = 10
   config.max_skipped_steps = 3  # each non-finite step's update is skipped; the fourth in a row stops the run
-  with pytest.raises(train_loop.TrainingDiverged,
+  with pytest.raises(hooks.TrainingDiverged,
                      match='the training loss became (nan|inf|-inf) at step 2 and stayed non-finite for 4 steps; '
                            'the run stopped and no checkpoint was written before it'):
     train_loop.train_and_evaluate(config, str(tmp_path / 'nan'), one_device())
@@ -219,7 +219,7 @@ def test_nan_loss_stops_before_the_next_checkpoint(tiny_config, tmp_path):
 
 
 def test_loss_guard_skips_isolated_non_finite_steps_and_stops_a_spike():
-  guard = train_loop.LossGuard(max_skipped=2, factor=3.0, patience=4, verbose=False)
+  guard = hooks.LossGuard(max_skipped=2, factor=3.0, patience=4, verbose=False)
   guard.saved(10)
   for step in range(1, 31):
     guard.update(step, 5.0 - step * 0.1)
@@ -231,13 +231,13 @@ def test_loss_guard_skips_isolated_non_finite_steps_and_stops_a_spike():
     guard.update(step, 20.0 if step == 40 else 1.9)
   for step in range(50, 53):
     guard.update(step, 9.0)  # 3 of the 4 steps the guard waits for
-  with pytest.raises(train_loop.TrainingDiverged, match=r'rose to 9 at step 53, above 3 x its running median '
+  with pytest.raises(hooks.TrainingDiverged, match=r'rose to 9 at step 53, above 3 x its running median '
                                                         r'\S+ for 4 steps \(since step 50\); the run stopped and '
                                                         r'checkpoint 40 is from before it'):
     guard.update(53, 9.0)
-  nan_guard = train_loop.LossGuard(max_skipped=1, factor=0.0, patience=4, verbose=False)
+  nan_guard = hooks.LossGuard(max_skipped=1, factor=0.0, patience=4, verbose=False)
   nan_guard.update(1, float('inf'))
-  with pytest.raises(train_loop.TrainingDiverged, match='became inf at step 1 and stayed non-finite for 2 steps'):
+  with pytest.raises(hooks.TrainingDiverged, match='became inf at step 1 and stayed non-finite for 2 steps'):
     nan_guard.update(2, float('nan'))
 
 
@@ -251,7 +251,7 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
     original(manager, state, data_state)
 
   monkeypatch.setattr(checkpointing, 'save_state', disk_full_after_first)
-  with pytest.raises(train_loop.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):
+  with pytest.raises(saver.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):
     train_loop.train_and_evaluate(config, str(tmp_path / 'full'), one_device())
   assert checkpointing.available_steps(str(tmp_path / 'full')) == [3]
 
@@ -259,7 +259,7 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
 def test_compare_runs_finds_the_first_differing_step(tmp_path):
   def write(name, losses, perplexity, bleu=None):
     os.makedirs(tmp_path / name)
-    with open(tmp_path / name / train_loop.METRICS_FILENAME, 'w') as f:
+    with open(tmp_path / name / metrics_log.METRICS_FILENAME, 'w') as f:
       for end in range(2, len(losses) + 1, 2):  # logged every 2 steps, as the loop writes them
         f.write(json.dumps({'step': end, 'split': 'train_steps', 'losses': losses[end - 2:end]}) + '\n')
       f.write(json.dumps({'step': len(losses), 'split': 'eval', 'perplexity': perplexity,
@@ -304,7 +304,7 @@ def test_failed_write_inside_the_checkpointer_exits_promptly(corpus, tmp_path):
 def _step_losses(workdir):
   """{step: loss} from every 'train_steps' line of the run's metrics (log_every_steps=1: one loss a line)."""
   losses = {}
-  with open(os.path.join(workdir, train_loop.METRICS_FILENAME)) as f:
+  with open(os.path.join(workdir, metrics_log.METRICS_FILENAME)) as f:
     for record in map(json.loads, f):
       if record['split'] == 'train_steps':
         first = record['step'] - len(record['losses']) + 1
@@ -377,6 +377,6 @@ def test_a_learning_rate_far_too_large_stops_the_run(tiny_config, tmp_path):
   config.learning_rate_factor = 1e4
   config.num_train_steps = 30
   config.loss_spike_steps = 5
-  with pytest.raises(train_loop.TrainingDiverged, match=r'the training loss rose to \S+ at step \d+, above 3 x its '
+  with pytest.raises(hooks.TrainingDiverged, match=r'the training loss rose to \S+ at step \d+, above 3 x its '
                                                         r'running median'):
     train_loop.train_and_evaluate(config, str(tmp_path / 'spike'), one_device())

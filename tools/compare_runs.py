@@ -15,7 +15,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flax_transformer import storage  # noqa: E402
-from flax_transformer.train_loop import METRICS_FILENAME  # noqa: E402
+from flax_transformer.metrics_log import METRICS_FILENAME  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string('workdir', None, 'The two run directories.', required=True)

@@ -1,0 +1,78 @@
+"""The loop's asynchronous checkpoint saves (Orbax): a save that fails, or is still unfinished after the storage
+timeout (a storage server that stopped answering), stops the run in one line naming the step and the newest
+intact checkpoint, and its partial files are removed."""
+
+import time
+
+import jax
+
+from flax_transformer import checkpointing, storage
+from flax_transformer.errors import UserError
+
+
+class CheckpointSaveFailed(UserError):
+  """A checkpoint could not be written (disk full, permissions, a storage server that stopped answering)."""
+
+
+class Saver:
+  """Asynchronous checkpoints whose failure is reported at once, naming the step that failed; a save still
+  unfinished after `timeout` seconds (a storage server that stopped answering) is a failure too."""
+
+  def __init__(self, manager, workdir: str, timeout: float):
+    self.manager, self.workdir, self.timeout = manager, workdir, timeout
+    self.step, self.started, self.failed = None, None, False  # the save in flight and when it began; whether one failed
+
+  def _failure(self, step, error) -> CheckpointSaveFailed:
+    self.failed = True  # Orbax's threads may wait forever now: the run exits without closing them
+
+    def look():  # what the failed save left, and the newest checkpoint before it
+      removed = checkpointing.remove_partial(self.workdir, step) if jax.process_index() == 0 else False
+      return removed, [s for s in checkpointing.available_steps(self.workdir) if s < step]
+
+    try:
+      removed, saved = storage.within(min(self.timeout, 60), 'looking at the checkpoints', look)
+      intact = f'checkpoint {saved[-1]} is the newest intact one' if saved else 'no earlier checkpoint exists'
+    except Exception:  # the storage itself may be what failed
+      removed, intact = False, 'earlier checkpoints were not checked'
+    cause = str(error) if isinstance(error, storage.StorageError) else checkpointing.reason(error)
+    return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {self.workdir} failed '
+                                f'({cause}){"; its partial files were removed" if removed else ""}; '
+                                f'the run stopped and {intact}')
+
+  def _waited(self, what: str, call):
+    """`call()` within what is left of the save's `timeout` (at least a second)."""
+    left = self.timeout - (time.monotonic() - self.started) if self.started else self.timeout
+    return storage.within(max(left, 1.0), what, call)
+
+  def check(self) -> None:
+    """Raises for a failed or overdue asynchronous save, at the first step after it failed."""
+    if self.step is None:
+      return
+    try:
+      self.manager.check_for_errors()
+      if time.monotonic() - self.started > self.timeout and self.manager.is_saving_in_progress():
+        raise storage.overdue('the save', self.timeout)
+    except Exception as error:  # disk full, permission denied, storage gone quiet...
+      raise self._failure(self.step, error) from None
+
+  def finish(self) -> None:
+    """Waits for the save in flight (within its timeout); raises if it failed."""
+    try:
+      if self.manager.is_saving_in_progress():
+        self._waited('the save', self.manager.wait_until_finished)
+      else:
+        self.manager.wait_until_finished()  # returns at once, raising a failure of the last save
+    except Exception as error:
+      raise self._failure(self.step, error) from None
+
+  def save(self, step: int, state, data_state: dict) -> None:
+    self.finish()
+    self.step, self.started = step, time.monotonic()
+    try:
+      self._waited('the save', lambda: checkpointing.save_state(self.manager, state, data_state))
+    except Exception as error:
+      raise self._failure(step, error) from None
+
+  def close(self) -> None:
+    if not self.failed:
+      self.manager.close()
