@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from flax_transformer import checkpointing, workdirs
+from flax_transformer.commands import average as average_command, translate as translate_command
 from tests.conftest import ROOT, subprocess_env
+from tests.helpers import programs
 
 
 @pytest.fixture
@@ -20,9 +22,9 @@ def trained(trained_run):
   return workdir, workdirs.read_config(workdir)
 
 
-def _translate(workdir, *flags, stdin=None, cwd=None):
-  return subprocess.run([sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags],
-                        env=subprocess_env(), capture_output=True, input=stdin, timeout=300, cwd=cwd)
+def _translate(workdir, *flags, stdin=b'', cwd=None):
+  """translate.py with these flags, run in this process (tests/helpers/programs.py)."""
+  return programs.run(translate_command.main, ['translate.py', f'--workdir={workdir}', *flags], stdin=stdin, cwd=cwd)
 
 
 @pytest.mark.slow
@@ -82,9 +84,9 @@ def test_average_writes_a_workdir_that_translate_reads(trained, tmp_path):
   workdir, config = trained
   output = str(tmp_path / 'averaged')
   relative = lambda path: os.path.relpath(path, tmp_path)  # the commands run in tmp_path
-  average = lambda *flags: subprocess.run(
-      [sys.executable, '-m', 'flax_transformer.average', f'--workdir={relative(workdir)}',
-       f'--output={relative(output)}', *flags], env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  average = lambda *flags: programs.run(
+      average_command.main, ['average', f'--workdir={relative(workdir)}', f'--output={relative(output)}', *flags],
+      cwd=tmp_path, text=True)
   result = average()
   assert result.returncode == 0, result.stderr[-2000:]
   steps = checkpointing.available_steps(workdir)
@@ -202,8 +204,8 @@ def test_average_refuses_an_output_that_would_destroy_the_run(trained, tmp_path)
   before = sorted(p.name for p in (copy / 'checkpoints').iterdir())
   for output, message in ((copy, 'is the workdir'), (tmp_path, 'holds the workdir'),
                           (copy / 'averaged', 'is inside the workdir'), (tmp_path / 'file.txt', 'is a file')):
-    result = subprocess.run([sys.executable, '-m', 'flax_transformer.average', f'--workdir={copy}', f'--output={output}',
-                             '--overwrite'], env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = programs.run(average_command.main, ['average', f'--workdir={copy}', f'--output={output}', '--overwrite'],
+                          text=True)
     errors = [l for l in result.stderr.splitlines() if l.startswith('error: ')]
     assert result.returncode == 1 and len(errors) == 1 and message in errors[0], result.stderr[-1500:]
   assert sorted(p.name for p in (copy / 'checkpoints').iterdir()) == before
