@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 
 from bench.train_step import matmul_peak  # noqa: E402
 from configs import base  # noqa: E402
-from flax_transformer import decode, settings  # noqa: E402
+from flax_transformer import search, settings  # noqa: E402
 from flax_transformer.constants import EOS_ID  # noqa: E402
 from flax_transformer.model import Transformer, TransformerConfig  # noqa: E402
 
@@ -47,9 +47,9 @@ def cached(params, inputs, model, beam_size, output_length=OUTPUT_LENGTH):
   step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
   lengths = jnp.full((inputs.shape[0],), output_length)
   if beam_size == 1:
-    return decode.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, output_length)[0]
-  return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, output_length, beam_size,
-                            reorder_cache=type(model).reorder_cache, top_k_method=TOP_K)[0]
+    return search.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, output_length)[0]
+  return search.beam_search(no_eos(step), cache, inputs.shape[0], lengths, output_length, beam_size,
+                            reorder_cache=type(model).reorder_cache, beam_top_k=TOP_K)[0]
 
 
 def uncached(params, inputs, model, beam_size):
@@ -66,8 +66,8 @@ def uncached(params, inputs, model, beam_size):
 
   cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, OUTPUT_LENGTH), jnp.int32), 'step': jnp.array(0)}
   lengths = jnp.full((inputs.shape[0],), OUTPUT_LENGTH)
-  return decode.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size,
-                            top_k_method=TOP_K)[0]
+  return search.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size,
+                            beam_top_k=TOP_K)[0]
 
 
 def decode_flops(beam_size: int, c: TransformerConfig = CONFIG) -> float:

@@ -14,7 +14,7 @@ import sys  # noqa: E402
 
 import jax  # noqa: E402
 
-from flax_transformer import checkpointing, partitioning, settings, storage, tokenizer, workdirs  # noqa: E402
+from flax_transformer import checkpointing, partitioning, storage, tokenizer, workdirs  # noqa: E402
 from flax_transformer.errors import WorkdirError  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
 
@@ -62,16 +62,14 @@ def write_averaged_workdir(workdir: str, output: str, count: int | None = None, 
   complete (storage.staged_directory), so a failure leaves `output` as it was.
   """
   storage.check_output(f'--output={output}', output, {'the workdir': workdir})
-  config = workdirs.read_config(workdir)
-  count = config.average_last if count is None else count
+  run = workdirs.read_settings(workdir)
+  count = run.loop.average_last if count is None else count
   storage.check_replaceable('--output', output, overwrite)
-  params, chosen = averaged_params(workdir, count, settings.model_settings(config))
+  params, chosen = averaged_params(workdir, count, run.model)
   with storage.staged_directory(output) as staging:
-    if not config.vocab_path:  # the vocabulary trained into the workdir travels with the model
+    if not run.data.vocab_path:  # the vocabulary trained into the workdir travels with the model
       (staging / tokenizer.VOCAB_FILENAME).write_bytes((storage.path(workdir) / tokenizer.VOCAB_FILENAME).read_bytes())
-    with config.unlocked():
-      config.average_last = 1  # the output holds one checkpoint: the average
     checkpointing.save_params(checkpointing.checkpoint_dir(staging), chosen[-1], params, averaged_steps=chosen)
-    workdirs.write_config(staging, config)
+    workdirs.copy_config(workdir, staging, average_last=1)  # the output holds one checkpoint: the average
   return chosen
 

@@ -215,6 +215,22 @@ def check_kind(step_directory, abstract_params, training_state: bool, workdir) -
                                   f'as it is: use the config it was trained with, or a new --workdir')
 
 
+def _attempt_restore(manager, step: int, state, state_shardings, with_data_state: bool):
+  """(outcome, state, data state) of restoring `step` on this process: outcome '' (restored), 'damaged: why'
+  (at once) or 'failed: why' (after RESTORE_ATTEMPTS tries)."""
+  for attempt in range(RESTORE_ATTEMPTS):
+    try:
+      restored = restore_state(manager, step, state, state_shardings)
+      return '', restored, restore_data_state(manager, step) if with_data_state else None
+    except UserError:
+      raise
+    except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
+      outcome = ('damaged: ' if is_damage(error) else 'failed: ') + reason(error)
+      if outcome.startswith('damaged') or attempt == RESTORE_ATTEMPTS - 1:
+        return outcome, None, None
+      time.sleep(2 ** attempt)
+
+
 def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_data_state: bool = True):
   """(state, data state or None, step) of the newest checkpoint that restores; (state, None, None) if none.
 
@@ -242,20 +258,7 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
     except CheckpointOfAnotherKind as error:
       kind_error = error
     cluster.agree(f'restore/{step}/{len(set_aside)}/kind', kind_error)
-    outcome, restored = '', None
-    for attempt in range(RESTORE_ATTEMPTS):
-      try:
-        restored = restore_state(manager, step, state, state_shardings)
-        data_state = restore_data_state(manager, step) if with_data_state else None
-        outcome = ''
-        break
-      except UserError:
-        raise
-      except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
-        outcome = ('damaged: ' if is_damage(error) else 'failed: ') + reason(error)
-        if outcome.startswith('damaged') or attempt == RESTORE_ATTEMPTS - 1:
-          break
-        time.sleep(2 ** attempt)
+    outcome, restored, data_state = _attempt_restore(manager, step, state, state_shardings, with_data_state)
     outcomes = cluster.agree(f'restore/{step}/{len(set_aside)}', value=outcome)
     failed = [(p, o) for p, o in enumerate(outcomes) if o.startswith('failed')]
     if failed:

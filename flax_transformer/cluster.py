@@ -21,17 +21,30 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import jax
 
 from flax_transformer.errors import UserError
-
-if TYPE_CHECKING:
-  from flax_transformer.settings import ClusterSettings
+from flax_transformer.fields import setting
 
 TPU_HOSTS_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES')
 SLURM_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSettings:
+  """How the processes of a run start and watch each other, config fields of these names."""
+  coordinator_address: str = setting("host:port of process 0 (e.g. '10.0.0.1:1234'); '' detects the cluster from "
+                                     "the environment (TPU VM, GKE, SLURM, Open MPI) or runs one process.", before='')
+  num_processes: int = setting('Processes of the run, with coordinator_address.', minimum=1, before=1)
+  process_id: int = setting("This process's number, 0 to num_processes - 1, with coordinator_address.", minimum=0,
+                            before=0)
+  initialization_timeout_seconds: int = setting('How long the processes have to start and find each other.',
+                                                minimum=1, before=300)
+  heartbeat_timeout_seconds: int = setting('A process silent this long is dead: every other one stops, naming it.',
+                                           minimum=1, before=30)
+  shutdown_timeout_seconds: int = setting('How long an exiting process waits for the others at the end.', minimum=1,
+                                          before=60)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +67,7 @@ def _gpus_on_node(environ: Mapping[str, str]) -> int | None:
   return len(visible.split(',')) if visible and visible != 'NoDevFiles' else None
 
 
-def detect(cluster_settings: 'ClusterSettings', environ: Mapping[str, str] | None = None,
+def detect(cluster_settings: ClusterSettings, environ: Mapping[str, str] | None = None,
            tpu_chips: int | None = None) -> ClusterStart:
   """The cluster this process runs in and the `jax.distributed.initialize` arguments that start it."""
   environ = os.environ if environ is None else environ
@@ -84,7 +97,7 @@ def detect(cluster_settings: 'ClusterSettings', environ: Mapping[str, str] | Non
   return ClusterStart('single process', None)
 
 
-def start(cluster_settings: 'ClusterSettings') -> ClusterStart:
+def start(cluster_settings: ClusterSettings) -> ClusterStart:
   """Starts jax.distributed as `detect` says (once per process; before anything asks JAX for devices). Processes
   that have not all joined within config.initialization_timeout_seconds stop with one line naming who is
   missing (JAX itself would abort the process a minute later with a C++ stack dump)."""
@@ -102,7 +115,7 @@ def start(cluster_settings: 'ClusterSettings') -> ClusterStart:
   return found
 
 
-def _not_joined(found: ClusterStart, cluster_settings: 'ClusterSettings') -> None:
+def _not_joined(found: ClusterStart, cluster_settings: ClusterSettings) -> None:
   """The line and exit of a process whose run's processes did not all join in time."""
   seconds, address = cluster_settings.initialization_timeout_seconds, cluster_settings.coordinator_address
   if address:
@@ -141,10 +154,11 @@ class PeerWatch(threading.Thread):
     self.client, self.silence_seconds = client, silence_seconds
     self.process, self.count = jax.process_index(), jax.process_count()
     self.stopping = False  # this process posted its own error: the others must read it, not be named dead
+    self.finished = threading.Event()  # this process's work is done (finish_watching)
 
   def run(self):
-    beats, seen, unreachable_since = 0, {}, None
-    while True:
+    beats, seen, unreachable_since, done = 0, {}, None, set()
+    while not self.finished.is_set():
       now = time.monotonic()
       try:
         beats += 1
@@ -154,9 +168,11 @@ class PeerWatch(threading.Thread):
           if process != self.process and not self.stopping:
             _stop(f'process {process} of {self.count}: {message}')
         for peer in range(self.count):
-          if peer != self.process:
+          if peer != self.process and peer not in done:
             value = _try_get(self.client, f'{_KEYS}/alive/{peer}')
-            if value is not None and value != seen.get(peer, (None,))[0]:
+            if value == DONE:  # its work is done: its silence from now on is its exit
+              done.add(peer)
+            elif value is not None and value != seen.get(peer, (None,))[0]:
               seen[peer] = (value, now)
             elif peer in seen and now - seen[peer][1] > self.silence_seconds and not self.stopping:
               _stop(f'process {peer} of {self.count} stopped responding {self.silence_seconds:.0f} s ago (killed, '
@@ -167,7 +183,7 @@ class PeerWatch(threading.Thread):
         if now - unreachable_since > self.silence_seconds and not self.stopping:
           _stop(f'the coordination service on process 0 cannot be reached ({type(error).__name__}); process 0 '
                 f'stopped (its log holds the cause) and this process stops too')
-      time.sleep(1.0)
+      self.finished.wait(1.0)
 
 
 def _try_get(client, key: str) -> str | None:
@@ -177,13 +193,30 @@ def _try_get(client, key: str) -> str | None:
     return None
 
 
-def watch_peers(cluster_settings: 'ClusterSettings') -> None:
+def watch_peers(cluster_settings: ClusterSettings) -> None:
   """Starts the PeerWatch of a multi-process run (once per process)."""
   global _watch
   if jax.process_count() > 1 and _watch is None:
     from jax._src import distributed
     _watch = PeerWatch(distributed.global_state.client, cluster_settings.heartbeat_timeout_seconds / 2)
     _watch.start()
+
+
+DONE = 'done'  # the beat of a process whose work is done
+
+
+def finish_watching() -> None:
+  """Before a process whose work is done exits: it stops watching its peers and tells them it is done, so its
+  silence is not taken for a death (and no daemon thread is inside a coordination-service call while the
+  interpreter exits, which aborts the process)."""
+  if _watch is None or _watch.finished.is_set():
+    return
+  _watch.finished.set()
+  _watch.join(timeout=10)
+  try:
+    _watch.client.key_value_set(f'{_KEYS}/alive/{_watch.process}', DONE, True)
+  except Exception:  # the service is gone already: nobody is watching
+    pass
 
 
 def stop_all(message: str) -> None:

@@ -8,7 +8,7 @@ checkpoint of its own it resumes from that, as any run does.
 
 import dataclasses
 
-from flax_transformer import checkpointing, settings, storage, tokenizer, workdirs
+from flax_transformer import checkpointing, storage, tokenizer, workdirs
 from flax_transformer.errors import WorkdirError
 from flax_transformer.model import TransformerConfig
 
@@ -38,8 +38,8 @@ def source(init_from: str, model_config: TransformerConfig, vocab_path: str = ''
     return None
   workdir, step = _parse(init_from)
   fix = 'point --config.init_from at a workdir of the same model shape, or change the model to match it'
-  saved = workdirs.read_config(workdir, '--config.init_from')
-  saved_model = settings.model_settings(saved)
+  saved = workdirs.read_settings(workdir, '--config.init_from')
+  saved_model = saved.model
   fields = SHAPE_FIELDS + (('max_positions',) if model_config.learned_positions else ())
   for field in fields:
     if getattr(saved_model, field) != getattr(model_config, field):
@@ -50,7 +50,7 @@ def source(init_from: str, model_config: TransformerConfig, vocab_path: str = ''
     raise WorkdirError(f'config.init_from={init_from}: {workdir} holds no checkpoint; train it first')
   if step is not None and step not in steps:
     raise WorkdirError(f'config.init_from={init_from}: no checkpoint at step {step}; available: {steps}')
-  source_vocab = saved.vocab_path or f'{storage.path(workdir)}/{tokenizer.VOCAB_FILENAME}'
+  source_vocab = saved.data.vocab_path or f'{storage.path(workdir)}/{tokenizer.VOCAB_FILENAME}'
   if vocab_path and storage.path(vocab_path).read_bytes() != storage.path(source_vocab).read_bytes():
     raise WorkdirError(f'config.vocab_path={vocab_path} differs from the vocabulary of config.init_from '
                        f'({source_vocab}); leave config.vocab_path empty to take the source\'s vocabulary')

@@ -317,9 +317,9 @@ class Evaluation(Hook):
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
     d = s.decode
-    model = translator.Translator(params, s.model, run.processor, beam_size=d.beam_size, alpha=d.length_penalty_alpha,
-                                  max_extra_length=d.max_extra_length, batch_tokens=d.eval_tokens_per_batch,
-                                  top_k=d.beam_top_k)
+    model = translator.Translator(params, s.model, run.processor, beam_size=d.beam_size,
+                                  length_penalty_alpha=d.length_penalty_alpha, max_extra_length=d.max_extra_length,
+                                  eval_tokens_per_batch=d.eval_tokens_per_batch, beam_top_k=d.beam_top_k)
     return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
 
   def evaluate(self, step: int, params) -> dict:

@@ -29,19 +29,16 @@ if __name__ == '__main__':  # the inspection program, before anything imports Te
   console()
 
 import time  # noqa: E402
-from typing import TYPE_CHECKING
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from flax_transformer import bucketing, cluster  # noqa: E402
-from flax_transformer.parallel_text import DataError  # noqa: E402
+from flax_transformer.parallel_text import DataError, DataSettings  # noqa: E402
 from flax_transformer.errors import UserError  # noqa: E402
 from flax_transformer.token_table import TokenTable, train_table  # noqa: E402
 
-if TYPE_CHECKING:
-  from flax_transformer.settings import DataSettings
 
 
 # --- Training batches ------------------------------------------------------------------------
@@ -54,7 +51,7 @@ def _schedule_seed(seed: int, stream: int) -> int:
 def initial_state(batching: bucketing.Batching, shard: tuple[int, int], seed: int) -> dict:
   """The data state of a fresh stream: step 0, every shape at its first batch."""
   return {'step': 0, 'positions': [0] * len(batching.batch_sizes), 'seed': int(seed), 'shard': list(shard),
-          'plan': batching.fingerprint()}  # saved in checkpoints under this key
+          'batching': batching.fingerprint()}
 
 
 def _shape_stream(sources: tf.RaggedTensor, targets: tf.RaggedTensor, rows: np.ndarray,
@@ -148,7 +145,7 @@ def train_batches(table: TokenTable, batching: bucketing.Batching, shard: tuple[
   return TrainBatches(dataset.with_options(options).prefetch(tf.data.AUTOTUNE), state, batching)
 
 
-def train_batching(data: 'DataSettings', histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.Batching:
+def train_batching(data: DataSettings, histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.Batching:
   """The batching of a global length histogram; global batch sizes are multiples of data-parallel × k."""
   return bucketing.make_batching(histogram, dropped, data.num_bucket_boundaries, data.tokens_per_batch,
                              data_parallel_size * data.gradient_accumulation_steps, data.bucket_shapes)
@@ -166,7 +163,7 @@ def _sum_over_shards(values: np.ndarray, shard: tuple[int, int]) -> np.ndarray:
   return gathered[first, 1:].astype(np.int64).sum(0)
 
 
-def process_train_batches(data: 'DataSettings', vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
+def process_train_batches(data: DataSettings, vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
                           seed: int, state: dict | None = None) -> TrainBatches:
   """This process's training batches in a run of any number of processes (collective: call on all)."""
   table, error = None, None
@@ -184,7 +181,8 @@ def process_train_batches(data: 'DataSettings', vocab_path: str, shard: tuple[in
     if not (np.asarray(multihost_utils.process_allgather(fingerprint)) == fingerprint).all():
       raise DataError('the processes computed different batchings; run every process with the same config, '
                       'data and vocabulary')
-  if state is not None and (state.get('shard') != list(shard) or state.get('plan') != batching.fingerprint()):
+  saved = None if state is None else state.get('batching', state.get('plan'))  # 'plan': its name in older checkpoints
+  if state is not None and (state.get('shard') != list(shard) or saved != batching.fingerprint()):
     raise DataError(f'the saved data-iterator state belongs to data shard {state.get("shard")} of another batch batching '
                     f'or mesh (this process: shard {list(shard)}); rerun with --config.restore_data_state=false '
                     f'to restart the data stream')
@@ -198,7 +196,7 @@ def _fill(batches) -> tuple[int, int]:
   return real, sum(b['inputs'].size + b['targets'].size for b in batches)
 
 
-def inspect(data: 'DataSettings', vocab_path: str) -> dict:
+def inspect(data: DataSettings, vocab_path: str) -> dict:
   """One epoch of training batches (no repeat) on one process: counts, shapes, budget, table-build and
   batch-serving throughput; then the fill of the repeated stream over as many batches."""
   start = time.perf_counter()

@@ -30,15 +30,18 @@ class TransformerConfig:
   num_decoder_layers: int = 6
   dropout_rate: float = 0.1  # §5.4 P_drop, on sub-layer outputs and embedding + position sums.
   attention_dropout_rate: float = 0.0  # The paper has none; tensor2tensor later added it.
-  dropout_masks: str = 'hash'  # 'hash' (fused counter-based masks) or 'random' (jax.random.bernoulli).
-  attention: str = 'xla'  # 'xla' or 'cudnn' (jax.nn.dot_product_attention), 'explicit' (layers.py).
+  # 'hash' (fused counter-based masks) or 'random' (jax.random.bernoulli); a run config's 'auto' is made by settings.py.
+  dropout_masks: str = dataclasses.field(default='hash', metadata={'before': 'auto'})
+  # 'xla' or 'cudnn' (jax.nn.dot_product_attention), 'explicit' (layers.py); 'auto' as dropout_masks.
+  attention: str = dataclasses.field(default='xla', metadata={'before': 'auto'})
   pre_norm: bool = False  # False: Post-LN, LayerNorm(x + Dropout(Sublayer(x))) as in §3.1.
   learned_positions: bool = False  # Table 3 row E.
   share_embeddings: bool = True  # §3.4: one matrix for source, target and pre-softmax.
-  max_positions: int = 1024  # Rows of the position table: longest source or output handled.
+  max_positions: int = 512  # Rows of the position table: longest source or output handled.
   dtype: str = 'float32'  # Compute dtype; parameters stay float32.
   layer_norm_epsilon: float = 1e-6
-  scan_unroll: int = 1  # Layers per scan iteration: 1 compiles fastest; N (all) runs fastest on CPU.
+  # Layers per scan iteration: 1 compiles fastest; N (all) runs fastest on CPU.
+  scan_unroll: int = dataclasses.field(default=1, metadata={'before': 1})
 
   def __post_init__(self):
     def fail(field, why):
@@ -247,31 +250,31 @@ class Transformer(nn.Module):
       return self.target_embedding.embedding
     return self.output_projection.kernel.T
 
-  def features(self, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+  def features(self, inputs: jax.Array, targets: jax.Array, deterministic: bool = True) -> jax.Array:
     """Like __call__ but stops before the pre-softmax projection: [b, t, e] (for a fused loss)."""
-    return self._features(self._decoder_stack(self.encode(inputs, train), inputs, targets, train))
+    return self._features(self._decoder_stack(self.encode(inputs, deterministic), inputs, targets, deterministic))
 
-  def encode(self, inputs: jax.Array, train: bool = False) -> jax.Array:
+  def encode(self, inputs: jax.Array, deterministic: bool = True) -> jax.Array:
     """inputs [b, s] int32 (0 = padding) -> encoder output [b, s, e]."""
-    x = self._embed(inputs, self.source_embedding, self.source_positions, not train)
-    x, _ = self.encoder(x, layers.key_lengths(inputs), not train)
+    x = self._embed(inputs, self.source_embedding, self.source_positions, deterministic)
+    x, _ = self.encoder(x, layers.key_lengths(inputs), deterministic)
     if self.config.pre_norm:
       x = self.encoder_norm(x)
     return x
 
-  def _decoder_stack(self, encoded, inputs, targets, train):
+  def _decoder_stack(self, encoded, inputs, targets, deterministic):
     """Teacher-forced decoder stack: encoded [b, s, e], inputs [b, s], targets [b, t] -> [b, t, e]."""
     decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]  # [b, t] shifted right
-    y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, not train)
-    return self.decoder(y, encoded, layers.key_lengths(inputs), not train)
+    y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, deterministic)
+    return self.decoder(y, encoded, layers.key_lengths(inputs), deterministic)
 
-  def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+  def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, deterministic: bool = True) -> jax.Array:
     """Teacher-forced decoder: encoded [b, s, e], inputs [b, s], targets [b, t] -> logits [b, t, v]."""
-    return self._logits(self._decoder_stack(encoded, inputs, targets, train))
+    return self._logits(self._decoder_stack(encoded, inputs, targets, deterministic))
 
-  def __call__(self, inputs: jax.Array, targets: jax.Array, train: bool = False) -> jax.Array:
+  def __call__(self, inputs: jax.Array, targets: jax.Array, deterministic: bool = True) -> jax.Array:
     """inputs [b, s], targets [b, t] int32 (0 = padding) -> logits [b, t, v]; position t predicts targets[:, t]."""
-    return self.decode(self.encode(inputs, train), inputs, targets, train)
+    return self.decode(self.encode(inputs, deterministic), inputs, targets, deterministic)
 
   # --- Incremental decoding ------------------------------------------------------------
 

@@ -5,16 +5,33 @@ step^-0.5, and `cooldown_steps` > 0 multiplies the schedule by a linear ramp fro
 `cooldown_steps` of `num_train_steps`; together, warmup-hold-cooldown, for runs whose length is fixed in advance.
 """
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import jax.numpy as jnp
 import optax
 
-if TYPE_CHECKING:
-  from flax_transformer.settings import OptimizerSettings
-
+from flax_transformer.fields import setting
 
 LR_DECAYS = ('inverse_sqrt', 'constant')
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+  """§5.3 the optimizer's settings, config fields of these names."""
+  warmup_steps: int = setting('§5.3 warmup_steps: the rate rises linearly for this many steps (4,000).', minimum=0)
+  learning_rate_factor: float = setting("Multiplies the paper's schedule (1.0: exactly the paper).", greater=0)
+  lr_decay: str = setting("After the warmup: 'inverse_sqrt' (the paper's step^-0.5) or 'constant' (the peak held).",
+                          choices=LR_DECAYS, before='inverse_sqrt')
+  cooldown_steps: int = setting('> 0: the rate ramps linearly to 0 over the last this-many steps (not the paper).',
+                                before=0)
+  num_train_steps: int = setting('Optimizer updates of the run (§5.2: 100k for base, 300k for big).', minimum=1)
+  adam_b1: float = setting('§5.3 Adam β1 (0.9).', low=0.0, high=1.0)
+  adam_b2: float = setting('§5.3 Adam β2 (0.98).', low=0.0, high=1.0)
+  adam_eps: float = setting('§5.3 Adam ε (1e-9).', greater=0)
+  grad_clip_norm: float = setting('Clips the gradient to this global norm; 0: no clipping (the paper clips none).',
+                                  minimum=0)
+  max_skipped_steps: int = setting('Consecutive non-finite updates skipped (optax.apply_if_finite) before the run '
+                                   'stops.', minimum=0, before=0)
 
 
 def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, decay: str = 'inverse_sqrt'):
@@ -33,7 +50,7 @@ def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, 
   return schedule
 
 
-def learning_rate(settings: 'OptimizerSettings', d_model: int) -> optax.Schedule:
+def learning_rate(settings: OptimizerSettings, d_model: int) -> optax.Schedule:
   """The run's learning rate for a model of width `d_model`, indexed by optax's update count (from 0)."""
   paper_schedule = inverse_sqrt_schedule(d_model, settings.warmup_steps, settings.learning_rate_factor,
                                          settings.lr_decay)
@@ -47,7 +64,7 @@ def learning_rate(settings: 'OptimizerSettings', d_model: int) -> optax.Schedule
   return schedule
 
 
-def create_optimizer(settings: 'OptimizerSettings', d_model: int) -> optax.GradientTransformation:
+def create_optimizer(settings: OptimizerSettings, d_model: int) -> optax.GradientTransformation:
   """The run's optimizer: Adam on `learning_rate`, optional clipping, non-finite updates skipped."""
   tx = optax.adam(learning_rate(settings, d_model), b1=settings.adam_b1, b2=settings.adam_b2, eps=settings.adam_eps)
   if settings.grad_clip_norm > 0:

@@ -7,19 +7,54 @@ Bad input (a missing or damaged file, files of different lengths, a line that is
 tfds dataset) is a one-line `DataError` naming the fix.
 """
 
+import dataclasses
 import gzip
 import itertools
 import os
-from typing import TYPE_CHECKING
 import zlib
 
 import tensorflow as tf
 
-from flax_transformer import corpora, storage
+from flax_transformer import bucketing, corpora, storage
 from flax_transformer.errors import UserError
+from flax_transformer.fields import setting
+from flax_transformer.tokenizer import VOCAB_TYPES
 
-if TYPE_CHECKING:
-  from flax_transformer.settings import DataSettings
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """The data stages' settings (parallel text, vocabulary, token table, batches), config fields of these names."""
+  dataset: str = setting("A tfds name (e.g. 'wmt14_translate/de-en'), or 'files' for the *_source/*_target paths.")
+  source_lang: str = setting('The source language (a tfds feature name).')
+  target_lang: str = setting('The target language.')
+  data_dir: str = setting("The tfds data directory; '' means $TFDS_DATA_DIR or ~/tensorflow_datasets.")
+  train_split: str = setting('The tfds training split.')
+  eval_split: str = setting('The tfds validation split (newstest2013 for WMT14).')
+  test_split: str = setting('The tfds test split (newstest2014 for WMT14).')
+  train_source: str = setting("Training source file, plain or .gz, one sentence a line (dataset='files').")
+  train_target: str = setting('Training target file, line for line with the source.')
+  eval_source: str = setting('Validation source file.')
+  eval_target: str = setting('Validation target file.')
+  test_source: str = setting('Test source file.')
+  test_target: str = setting('Test target file.')
+  download_url: str = setting("Where missing data files are fetched from ({name}: a file's name); '': nowhere.",
+                              before='')
+  vocab_path: str = setting("An existing SentencePiece model; '' trains one into the workdir.")
+  vocab_type: str = setting('The SentencePiece model type (§5.1: byte-pair encoding).', choices=VOCAB_TYPES)
+  vocab_size: int = setting('Pieces of the vocabulary (config.model.vocab_size).', derived=True)
+  vocab_sample_sentences: int = setting('Sentences the vocabulary is trained on, drawn from the whole split.',
+                                        minimum=1, before=4_000_000)
+  max_train_length: int = setting('Training pairs with a longer side (tokens) are dropped and counted.', minimum=1)
+  max_eval_length: int = setting('Longest validation sentence kept whole; longer ones are truncated.', minimum=1)
+  tokens_per_batch: int = setting('Source (and target) tokens of a global training batch (§5.1: ~25,000).',
+                                  minimum=1)
+  eval_tokens_per_batch: int = setting('= config.eval_tokens_per_batch (DecodeSettings).', derived=True)
+  num_bucket_boundaries: int = setting('Length buckets: a bounded number of compiled shapes.', minimum=1)
+  bucket_shapes: str = setting("'pairs': 3 shapes a bucket, each side padded to its own; 'longer_side': 1.",
+                               check=bucketing.check_bucket_shapes, before='pairs')
+  gradient_accumulation_steps: int = setting('Micro-batches summed into one update; global batch sizes are '
+                                             'multiples of it.', minimum=1)
+  seed: int = setting('= config.seed (LoopSettings): the data stream starts from it.', derived=True)
 
 
 class DataError(UserError):
@@ -117,7 +152,7 @@ def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], 
   return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _split_paths(data: 'DataSettings', split: str) -> tuple[str, str]:
+def _split_paths(data: DataSettings, split: str) -> tuple[str, str]:
   """The split's (source, target) files; a missing one is a one-line error naming its config field."""
   paths = {f'{split}_{side}': getattr(data, f'{split}_{side}') for side in ('source', 'target')}
   for field, path in paths.items():
@@ -130,7 +165,7 @@ def _split_paths(data: 'DataSettings', split: str) -> tuple[str, str]:
   return tuple(paths.values())
 
 
-def check_split(data: 'DataSettings', split: str) -> None:
+def check_split(data: DataSettings, split: str) -> None:
   """The split's files exist and are files (dataset 'files'; a tfds split is checked when it is read); missing
   ones are downloaded first where config.download_url says from (corpora.fetch)."""
   if data.dataset != 'files':
@@ -142,7 +177,7 @@ def check_split(data: 'DataSettings', split: str) -> None:
   _split_paths(data, split)
 
 
-def _tfds_builder(data: 'DataSettings'):
+def _tfds_builder(data: DataSettings):
   import tensorflow_datasets as tfds
   data_dir = data.data_dir or os.environ.get('TFDS_DATA_DIR') or None
   try:
@@ -153,17 +188,17 @@ def _tfds_builder(data: 'DataSettings'):
   return builder
 
 
-def _not_prepared(data: 'DataSettings', builder) -> DataError:
+def _not_prepared(data: DataSettings, builder) -> DataError:
   return DataError(f'tfds dataset {data.dataset} is not prepared in {builder.data_dir} and this run will not '
                    f'download it; on a machine with internet run `tfds build {data.dataset} '
                    f'--data_dir=DIR`, then set TFDS_DATA_DIR=DIR or --config.data_dir=DIR')
 
 
-def _tfds_split(data: 'DataSettings', split: str) -> str:
+def _tfds_split(data: DataSettings, split: str) -> str:
   return {'train': data.train_split, 'eval': data.eval_split, 'test': data.test_split}[split]
 
 
-def text_pairs(data: 'DataSettings', split: str, shard: tuple[int, int] = (0, 1)):
+def text_pairs(data: DataSettings, split: str, shard: tuple[int, int] = (0, 1)):
   """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file order.
 
   shard = (index, count): this process's 1/count of the split, disjoint from the other shards and together
@@ -187,7 +222,7 @@ def text_pairs(data: 'DataSettings', split: str, shard: tuple[int, int] = (0, 1)
     yield example
 
 
-def python_pairs(data: 'DataSettings', split: str = 'train'):
+def python_pairs(data: DataSettings, split: str = 'train'):
   """Iterator of (source, target) Python strings, e.g. to train the vocabulary."""
   for source, target in text_pairs(data, split):
     yield source.decode('utf-8'), target.decode('utf-8')

@@ -180,7 +180,7 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state_shardings) -> Callabl
   dp = data_parallel_size(mesh)
 
   @functools.wraps(train_step)
-  def run(state, batch, rng):
+  def step(state, batch, rng):
     rows = batch['inputs'].shape[0]
     if rows % dp:
       raise ConfigError(f'a global batch of {rows} rows is not divisible by the data-parallel size {dp} '
@@ -188,8 +188,8 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state_shardings) -> Callabl
     with mesh_context(mesh):
       return jitted(state, batch, rng)
 
-  run.jitted = jitted
-  return run
+  step.jitted = jitted
+  return step
 
 
 def jit_eval_step(eval_step: Callable, mesh: Mesh, param_shardings) -> Callable:
@@ -198,9 +198,9 @@ def jit_eval_step(eval_step: Callable, mesh: Mesh, param_shardings) -> Callable:
                    out_shardings=replicated(mesh))
 
   @functools.wraps(eval_step)
-  def run(params, batch):
+  def step(params, batch):
     with mesh_context(mesh):
       return jitted(params, batch)
 
-  run.jitted = jitted
-  return run
+  step.jitted = jitted
+  return step

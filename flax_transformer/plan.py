@@ -17,15 +17,17 @@ if __name__ == '__main__':  # python -m flax_transformer.plan: the program, whic
   from flax_transformer.commands.plan import console
   console()
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from flax_transformer import partitioning, settings, steps, train_state  # noqa: E402
+from flax_transformer import partitioning, steps, train_state  # noqa: E402
 from flax_transformer.errors import ConfigError  # noqa: E402
 from flax_transformer.model import TransformerConfig  # noqa: E402
+from flax_transformer.settings import Settings  # noqa: E402
 
 GIB = 2**30
 
@@ -47,13 +49,13 @@ def analytic_flops(model_config: TransformerConfig, rows: int, source_length: in
   return float(dense + attention)
 
 
-def longest_batch_shape(config, dp: int) -> tuple[int, int, int]:
-  """(rows, source length, target length) of the config's longest batch: its most memory-hungry step."""
-  length = config.max_train_length
-  multiple = dp * config.gradient_accumulation_steps
-  rows = config.tokens_per_batch // length // multiple * multiple
+def longest_batch_shape(s: Settings, dp: int) -> tuple[int, int, int]:
+  """(rows, source length, target length) of the run's longest batch: its most memory-hungry step."""
+  length = s.data.max_train_length
+  multiple = dp * s.data.gradient_accumulation_steps
+  rows = s.data.tokens_per_batch // length // multiple * multiple
   if rows < multiple:
-    raise ConfigError(f'config.tokens_per_batch={config.tokens_per_batch} cannot hold {multiple} sentences of '
+    raise ConfigError(f'config.tokens_per_batch={s.data.tokens_per_batch} cannot hold {multiple} sentences of '
                       f'{length} tokens; raise it or lower config.max_train_length')
   return rows, length, length
 
@@ -66,53 +68,50 @@ def _bytes_per_device(abstract_tree) -> int:
   return total
 
 
-def for_target(config, target: str):
-  """The config with the choices settings.py makes for the `target` platform written in (so compiling here,
-  on another platform, keeps them); cuDNN attention compiles only on a GPU, so XLA's stands in for it."""
-  chosen = settings.resolve(config, target)
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    config.model.dropout_masks = chosen.model.dropout_masks
-    config.model.attention = 'xla' if chosen.model.attention == 'cudnn' else chosen.model.attention
-    config.output_loss = 'fused' if chosen.loop.fused_output_loss else 'optax'
-    config.beam_top_k = chosen.decode.beam_top_k
-  return config
+def compiled_here(s: Settings) -> Settings:
+  """The target platform's settings as this CPU compiles them: cuDNN attention compiles only on a GPU, so
+  XLA's stands in for it (the same memory and FLOPs to XLA:CPU); every other choice is the target's."""
+  if s.model.attention != 'cudnn':
+    return s
+  return dataclasses.replace(s, model=dataclasses.replace(s.model, attention='xla'))
 
 
-def _compiled_step(config, mesh):
-  """The train step for the config's longest batch, compiled for `mesh`; returns (compiled, abstract state, batch
-  shape, model config)."""
-  run = settings.resolve(config)
-  rows, source_length, target_length = longest_batch_shape(config, partitioning.data_parallel_size(mesh))
-  state, shardings = train_state.abstract_train_state(run.model, run.optimizer, mesh)
+def with_accumulation(s: Settings, steps: int) -> Settings:
+  """`s` with `steps` micro-batches an update (the data's batch sizes and the loop's step alike)."""
+  return dataclasses.replace(s, data=dataclasses.replace(s.data, gradient_accumulation_steps=steps),
+                             loop=dataclasses.replace(s.loop, gradient_accumulation_steps=steps))
+
+
+def _compiled_step(s: Settings, mesh):
+  """The train step for the run's longest batch, compiled for `mesh`; returns (compiled, abstract state, batch
+  shape)."""
+  rows, source_length, target_length = longest_batch_shape(s, partitioning.data_parallel_size(mesh))
+  state, shardings = train_state.abstract_train_state(s.model, s.optimizer, mesh)
   step = partitioning.jit_train_step(
-      functools.partial(steps.train_step, model_config=run.model, label_smoothing=run.loop.label_smoothing,
-                        gradient_accumulation_steps=run.loop.gradient_accumulation_steps,
-                        fused_output_loss=run.loop.fused_output_loss),
+      functools.partial(steps.train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
+                        gradient_accumulation_steps=s.loop.gradient_accumulation_steps,
+                        fused_output_loss=s.loop.fused_output_loss),
       mesh, shardings)
   batch_sharding = partitioning.batch_sharding(mesh)
   batch = {'inputs': jax.ShapeDtypeStruct((rows, source_length), jnp.int32, sharding=batch_sharding),
            'targets': jax.ShapeDtypeStruct((rows, target_length), jnp.int32, sharding=batch_sharding)}
   with partitioning.mesh_context(mesh):
-    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=run.loop.dropout_rng_impl)).compile()
-  return compiled, state, (rows, source_length, target_length), run.model
+    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=s.loop.dropout_rng_impl)).compile()
+  return compiled, state, (rows, source_length, target_length)
 
 
-def compile_step(config, mesh_shape) -> dict:
-  """Compiles the train step for the config's longest batch on `mesh_shape`; returns per-device figures.
+def compile_step(s: Settings, mesh_shape) -> dict:
+  """Compiles the train step for the run's longest batch on `mesh_shape`; returns per-device figures.
 
   Memory comes from the program as configured. XLA's cost analysis counts a loop body once, so the FLOPs
   come from a second compilation with the layer scan unrolled (each layer counted as it runs).
   """
   mesh = partitioning.create_mesh(mesh_shape)
-  compiled, state, (rows, source_length, target_length), model_config = _compiled_step(config, mesh)
+  compiled, state, (rows, source_length, target_length) = _compiled_step(s, mesh)
   memory = compiled.memory_analysis()
-  layers = max(config.model.num_encoder_layers, config.model.num_decoder_layers)
-  if config.model.scan_unroll < layers:
-    unrolled = config.copy_and_resolve_references()
-    with unrolled.unlocked():
-      unrolled.model.scan_unroll = layers
-    compiled, *_ = _compiled_step(unrolled, mesh)
+  layers = max(s.model.num_encoder_layers, s.model.num_decoder_layers)
+  if s.model.scan_unroll < layers:
+    compiled, *_ = _compiled_step(dataclasses.replace(s, model=dataclasses.replace(s.model, scan_unroll=layers)), mesh)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   devices = mesh.devices.size
@@ -124,7 +123,7 @@ def compile_step(config, mesh_shape) -> dict:
       'optimizer_bytes_per_device': _bytes_per_device(state.opt_state),
       'temp_bytes_per_device': int(memory.temp_size_in_bytes),
       'flops_per_step': float(cost.get('flops', 0.0)) * devices,  # cost_analysis is per device (one partition)
-      'analytic_flops_per_step': analytic_flops(model_config, rows, source_length, target_length),
+      'analytic_flops_per_step': analytic_flops(s.model, rows, source_length, target_length),
   }
 
 
@@ -132,16 +131,16 @@ def total_bytes(figures: dict) -> int:
   return figures['param_bytes_per_device'] + figures['optimizer_bytes_per_device'] + figures['temp_bytes_per_device']
 
 
-def candidate_fixes(config, mesh_shape, devices: int):
+def candidate_fixes(s: Settings, mesh_shape, devices: int):
   """Meshes that shard more state (FSDP over all devices, then tensor parallelism), then gradient accumulation."""
   data, fsdp, model = mesh_shape
   meshes = [(1, devices, 1)] + [(1, devices // tp, tp) for tp in (2, 4, 8) if devices % tp == 0]
+  accumulation = s.data.gradient_accumulation_steps
   for mesh in meshes:
     if tuple(mesh) != (data, fsdp, model):
-      yield f'--mesh={mesh}', mesh, config.gradient_accumulation_steps
+      yield f'--mesh={mesh}', mesh, accumulation
   for k in (2, 4, 8):
-    yield f'--mesh={meshes[0]} --config.gradient_accumulation_steps={k * config.gradient_accumulation_steps}', \
-        meshes[0], k * config.gradient_accumulation_steps
+    yield f'--mesh={meshes[0]} --config.gradient_accumulation_steps={k * accumulation}', meshes[0], k * accumulation
 
 
 def resolve_mesh(mesh_shape) -> tuple[int, int, int]:
@@ -167,32 +166,30 @@ def table(figures: dict, peak_tflops: float, mfu: float, memory_gb: float | None
   return '\n'.join(f'{name:<{width}}  {value}' for name, value in rows)
 
 
-def plan(config, devices: int, mesh_shape: tuple[int, int, int], peak_tflops: float = 0.0, mfu: float = 0.4,
-         device_memory_gb: float | None = None, target: str = 'gpu') -> dict:
-  """The plan as a dict (the figures of `compile_step`, timings and, when it does not fit, the fix)."""
-  config = for_target(config, target)
+def plan(s: Settings, devices: int, mesh_shape: tuple[int, int, int], peak_tflops: float = 0.0, mfu: float = 0.4,
+         device_memory_gb: float | None = None) -> dict:
+  """The plan of the run `s` (resolved for its target platform) as a dict: the figures of `compile_step`,
+  timings and, when it does not fit, the fix."""
+  s = compiled_here(s)
   if len(jax.devices()) != devices:
     raise ConfigError(f'--devices={devices} but JAX has {len(jax.devices())} devices; run plan as a module '
                       f'(python -m flax_transformer.plan) so it can create them')
   mesh_shape = resolve_mesh(mesh_shape)
-  figures = compile_step(config, mesh_shape)
+  figures = compile_step(s, mesh_shape)
 
   def timing(f):
     seconds = f['analytic_flops_per_step'] / (devices * peak_tflops * 1e12 * mfu) if peak_tflops else None
-    f.update(step_seconds=seconds, num_train_steps=config.num_train_steps,
-             hours_to_num_train_steps=seconds * config.num_train_steps / 3600 if seconds else None)
+    f.update(step_seconds=seconds, num_train_steps=s.optimizer.num_train_steps,
+             hours_to_num_train_steps=seconds * s.optimizer.num_train_steps / 3600 if seconds else None)
     return f
 
   figures = timing(figures)
   figures['fits'] = None if device_memory_gb is None else total_bytes(figures) <= device_memory_gb * 1e9
   figures['fix'] = None
   if figures['fits'] is False:
-    for description, mesh, k in candidate_fixes(config, mesh_shape, devices):
-      trial = config.copy_and_resolve_references()
-      with trial.unlocked():
-        trial.gradient_accumulation_steps = k
+    for description, mesh, k in candidate_fixes(s, mesh_shape, devices):
       try:
-        candidate = timing(compile_step(trial, mesh))
+        candidate = timing(compile_step(with_accumulation(s, k), mesh))
       except ConfigError:
         continue
       if total_bytes(candidate) <= device_memory_gb * 1e9:

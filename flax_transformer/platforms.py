@@ -27,10 +27,15 @@ def current() -> str:
   return 'gpu' if backend in ('cuda', 'rocm') else backend
 
 
-def check(wanted: str) -> None:
-  """`config.platform`: '' accepts whatever JAX finds; 'gpu' or 'tpu' refuses to run anywhere else."""
+def check_name(wanted: str) -> None:
+  """`config.platform` is '' or a platform's name."""
   if wanted not in ('',) + PLATFORMS:
     raise ConfigError(f"config.platform={wanted!r}: unknown value; use '', {', '.join(map(repr, PLATFORMS))}")
+
+
+def check(wanted: str) -> None:
+  """`config.platform`: '' accepts whatever JAX finds; 'gpu' or 'tpu' refuses to run anywhere else."""
+  check_name(wanted)
   if wanted and current() != wanted:
     raise ConfigError(f'config.platform={wanted!r} but JAX finds only {current()} devices '
                       f'({jax.devices()[0].device_kind}); install jax for {wanted} (README: Install) '

@@ -81,7 +81,7 @@ class Run:
             for k, v in batch.items()}
 
 
-def _vocabulary(data: settings.DataSettings, workdir: str, is_chief: bool):
+def _vocabulary(data: parallel_text.DataSettings, workdir: str, is_chief: bool):
   """Trained once by process 0 into the workdir, then read by every process: (processor, path)."""
   if is_chief:
     tokenizer.train_or_load(data, workdir, lambda: parallel_text.python_pairs(data))
@@ -129,7 +129,7 @@ def set_up(config, workdir: str, devices=None) -> tuple[Run, train_state.TrainSt
   cluster_kind = cluster.start(settings.cluster_settings(config)).kind  # before JAX's backend is touched
   cluster.watch_peers(settings.cluster_settings(config))
   cluster.check_same('config', settings.comparable(config))  # the processes run one config
-  s = settings.resolve(config)  # the 'auto' choices, for the platform JAX now runs on
+  s = settings.resolve(config, checked=True)  # the 'auto' choices, for the platform JAX now runs on
   platforms.check(s.loop.platform)
   is_chief, workdir = jax.process_index() == 0, storage.path(workdir)
   storage.check_reachable(workdir, '--workdir')
@@ -137,7 +137,7 @@ def set_up(config, workdir: str, devices=None) -> tuple[Run, train_state.TrainSt
     parallel_text.check_split(s.data, split)
   origin = finetuning.source(s.loop.init_from, s.model, s.data.vocab_path)
   workdirs.check_inputs(workdir, s.data, origin.workdir if origin else '')
-  workdirs.check(workdir, config, s.model)
+  workdirs.check(workdir, s)
   mesh = partitioning.create_mesh(s.loop.mesh_shape, devices)
   partitioning.check_model_fits_mesh(s.model, mesh)  # before the vocabulary's minute, not after
   shard = partitioning.data_shard(mesh.devices)
@@ -149,20 +149,20 @@ def set_up(config, workdir: str, devices=None) -> tuple[Run, train_state.TrainSt
       lock_error = error
   cluster.agree('workdir lock', lock_error)
   try:
-    return _build(config, s, workdir, mesh, shard, is_chief, lock, cluster_kind, origin)
+    return _build(settings.to_json(config), s, workdir, mesh, shard, is_chief, lock, cluster_kind, origin)
   except BaseException:
     if lock is not None:
       lock.release()
     raise
 
 
-def _build(config, s: Settings, workdir, mesh, shard, is_chief, lock, cluster_kind, origin):
+def _build(config_json: str, s: Settings, workdir, mesh, shard, is_chief, lock, cluster_kind, origin):
   """set_up's part after the workdir is locked; `origin`: the run to fine-tune from (finetuning.source)."""
   if origin and is_chief:
     finetuning.copy_vocabulary(origin, s.data.vocab_path, workdir)
   processor, vocab_path = _vocabulary(s.data, workdir, is_chief)
   if is_chief:  # once the data and vocabulary are known to work: a failed start leaves no config behind
-    workdirs.write_config(workdir, config)
+    workdirs.write_config(workdir, config_json)
   init_rng, dropout_rng = jax.random.split(jax.random.key(s.loop.seed, impl=s.loop.dropout_rng_impl))
   state, state_shardings = train_state.create_train_state(s.model, s.optimizer, mesh, init_rng)
   manager = checkpointing.create_manager(workdir, s.loop.keep_checkpoints)

@@ -38,12 +38,12 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
   def loss_fn(params, micro_batch, micro_rng):
     inputs, targets = micro_batch['inputs'], micro_batch['targets']
     if fused_output_loss:
-      hidden = model.apply({'params': params}, inputs, targets, train=True, rngs={'dropout': micro_rng},
+      hidden = model.apply({'params': params}, inputs, targets, deterministic=False, rngs={'dropout': micro_rng},
                            method=model.features)  # [b, t, e]
       weight = model.apply({'params': params}, method=model.output_weight)  # [v, e]
       sums = losses.projected_loss_and_metrics(hidden, weight, targets, label_smoothing, model_config.compute_dtype)
     else:
-      logits = model.apply({'params': params}, inputs, targets, train=True, rngs={'dropout': micro_rng})
+      logits = model.apply({'params': params}, inputs, targets, deterministic=False, rngs={'dropout': micro_rng})
       sums = losses.loss_and_metrics(logits, targets, label_smoothing)
     return sums['loss'], sums
 
@@ -73,5 +73,5 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
 
 def eval_step(params, batch: dict, *, model_config: TransformerConfig, label_smoothing: float) -> dict:
   """Sums {'loss', 'nll', 'correct', 'tokens'} over the non-padding targets of `batch` (padding rows count 0)."""
-  logits = Transformer(model_config).apply({'params': params}, batch['inputs'], batch['targets'], train=False)
+  logits = Transformer(model_config).apply({'params': params}, batch['inputs'], batch['targets'], deterministic=True)
   return losses.loss_and_metrics(logits, batch['targets'], label_smoothing)

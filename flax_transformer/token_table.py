@@ -8,18 +8,15 @@ reads the whole split on every process and pads it into fixed batches in file or
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING
 
 import numpy as np
 import tensorflow as tf
 
 from flax_transformer import bucketing, storage
 from flax_transformer.constants import PAD_ID
-from flax_transformer.parallel_text import DataError, text_pairs
+from flax_transformer.parallel_text import DataError, DataSettings, text_pairs
 from flax_transformer.errors import UserError
 
-if TYPE_CHECKING:
-  from flax_transformer.settings import DataSettings
 
 
 def tokenize(pairs, vocab_path: str, batch_size: int = 1024):
@@ -111,7 +108,7 @@ def token_table(pairs, vocab_path: str, max_length: int, truncate: bool = False)
   return table
 
 
-def train_table(data: 'DataSettings', vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
+def train_table(data: DataSettings, vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
   """One shard of the training split, tokenised; a shard with no usable pair is a one-line error."""
   table = token_table(text_pairs(data, 'train', shard), vocab_path, data.max_train_length)
   if not len(table):
@@ -121,7 +118,7 @@ def train_table(data: 'DataSettings', vocab_path: str, shard: tuple[int, int] = 
   return table
 
 
-def eval_batches(data: 'DataSettings', vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
+def eval_batches(data: DataSettings, vocab_path: str, split: str = 'eval', data_parallel_size: int = 1) -> list[dict]:
   """Every sentence pair of `split`, in order, as global batches {'inputs': [B, S], 'targets': [B, T]}.
 
   B is fixed (a multiple of the data-parallel size); each side is padded to the bucket of its longest

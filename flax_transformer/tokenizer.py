@@ -8,16 +8,12 @@ from collections.abc import Iterable
 import os
 import tempfile
 import time
-from typing import TYPE_CHECKING
 
 import sentencepiece as spm
 
 from flax_transformer import storage
 from flax_transformer.constants import EOS_ID, PAD_ID, UNK_ID
 from flax_transformer.errors import UserError
-
-if TYPE_CHECKING:
-  from flax_transformer.settings import DataSettings
 
 VOCAB_FILENAME = 'sentencepiece.model'
 VOCAB_TYPES = ('bpe', 'unigram')  # SentencePiece model types (config.vocab_type)
@@ -86,7 +82,7 @@ def load(path: str, expected_vocab_size: int | None = None) -> spm.SentencePiece
   return processor
 
 
-def train_or_load(data: 'DataSettings', workdir: str, pairs_fn) -> tuple[spm.SentencePieceProcessor, str]:
+def train_or_load(data, workdir: str, pairs_fn) -> tuple[spm.SentencePieceProcessor, str]:
   """`config.vocab_path` if set; else the workdir's model (reused on restart); else a newly trained one.
 
   `pairs_fn()` yields (source, target) training sentences; it is only called when training.

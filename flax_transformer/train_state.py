@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from flax_transformer import optim, partitioning
 from flax_transformer.model import Transformer, TransformerConfig
-from flax_transformer.settings import OptimizerSettings
+from flax_transformer.optim import OptimizerSettings
 
 
 class TrainState(flax_train_state.TrainState):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import decode, losses, platforms, tokenizer
+from flax_transformer import losses, platforms, search, tokenizer
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import ArgumentError, UserError, WorkdirError
 from flax_transformer.model import Transformer, TransformerConfig
@@ -28,7 +28,7 @@ from flax_transformer.settings import Settings
 WORD_START = '\u2581'  # SentencePiece's mark of a piece that begins a word
 
 
-def _teacher_forced(params, inputs, targets, *, model, with_attention: bool, layer: int = -1):
+def _forced_scores(params, inputs, targets, *, model, with_attention: bool, layer: int = -1):
   """inputs [b, s], targets [b, t] (EOS-terminated, 0-padded) -> (log p(target row) [b], and with
   `with_attention` decoder layer `layer`'s cross-attention averaged over heads [b, t, s])."""
   if with_attention:
@@ -42,8 +42,8 @@ def _teacher_forced(params, inputs, targets, *, model, with_attention: bool, lay
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_teacher_forced(model: Transformer, with_attention: bool, layer: int = -1):
-  return jax.jit(functools.partial(_teacher_forced, model=model, with_attention=with_attention, layer=layer))
+def _jitted_forced_scores(model: Transformer, with_attention: bool, layer: int = -1):
+  return jax.jit(functools.partial(_forced_scores, model=model, with_attention=with_attention, layer=layer))
 
 
 def texts(value, name: str = 'sentences') -> list[str]:
@@ -104,10 +104,10 @@ def split_at_punctuation(processor, sentence: str, limit: int) -> list[str]:
   return pieces + [current]
 
 
-def translation_batches(encoded: list[list[int]], limit: int, batch_tokens: int,
+def translation_batches(encoded: list[list[int]], limit: int, eval_tokens_per_batch: int,
                         max_batch: int = 512) -> list[tuple[list[int], np.ndarray]]:
   """Sentences' ids (`encode_sentences`) as length-sorted batches to translate, each (its sentences'
-  indices in `encoded`, right-padded ids [rows, length] int32 ending in EOS), of about `batch_tokens`
+  indices in `encoded`, right-padded ids [rows, length] int32 ending in EOS), of about `eval_tokens_per_batch`
   source tokens.
 
   Sentences longer than `limit` tokens are cut to `limit` (plus EOS); empty ones are left out (they
@@ -118,7 +118,7 @@ def translation_batches(encoded: list[list[int]], limit: int, batch_tokens: int,
   order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   groups, current, longest = [], [], 0
   for i in order:
-    if current and (max(longest, len(encoded[i])) * (len(current) + 1) > batch_tokens or len(current) >= max_batch):
+    if current and (max(longest, len(encoded[i])) * (len(current) + 1) > eval_tokens_per_batch or len(current) >= max_batch):
       groups.append(current)
       current, longest = [], 0
     current.append(i)
@@ -142,27 +142,29 @@ class Translator:
     params: the model's parameters (numpy or jax arrays; placed on the devices once, here).
     model_config: the architecture they belong to.
     processor: the SentencePiece vocabulary (`tokenizer.load`).
-    beam_size, alpha: the defaults of `translate` (1 = greedy); §6.1's are 4 and 0.6.
+    beam_size, length_penalty_alpha: the defaults of `translate` (1 = greedy); §6.1's are 4 and 0.6.
     max_extra_length: each output may be this many tokens longer than its input (§6.1: 50).
-    batch_tokens: source tokens per decoding batch.
-    top_k: the beam's top-k method ('two_stage' or 'lax'; see decode.top_k; a run's choice is in its settings).
+    eval_tokens_per_batch: source tokens per translation batch.
+    beam_top_k: how the beam's top-k is found ('two_stage' or 'lax'; see search.top_k; a run's is in its settings).
     checkpoints: the checkpoint steps the parameters come from (reported only).
     settings: the run's settings when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
   def __init__(self, params, model_config: TransformerConfig, processor, *, beam_size: int = 4,
-               alpha: float = 0.6, max_extra_length: int = 50, batch_tokens: int = 4096, top_k: str = 'lax',
+               length_penalty_alpha: float = 0.6, max_extra_length: int = 50, eval_tokens_per_batch: int = 4096,
+               beam_top_k: str = 'lax',
                checkpoints: tuple[int, ...] = (), settings: Settings | None = None):
-    _check_beam(beam_size, alpha)
-    if batch_tokens < 1:
-      raise UserError(f'batch_tokens={batch_tokens} must be at least 1; give the source tokens per batch')
+    _check_beam(beam_size, length_penalty_alpha)
+    if eval_tokens_per_batch < 1:
+      raise UserError(f'eval_tokens_per_batch={eval_tokens_per_batch} must be at least 1; give the source tokens '
+                      f'per batch')
     self.params = params if _on_devices(params) else jax.device_put(params)
     self.model_config, self.processor = model_config, processor
     self.model = Transformer(model_config)
-    self.beam_size, self.alpha, self.max_extra_length = beam_size, alpha, max_extra_length
-    if top_k not in platforms.TOP_K:
-      raise UserError(f"top_k={top_k!r}: use one of {', '.join(platforms.TOP_K)}")
-    self.batch_tokens, self.top_k_method = batch_tokens, top_k
+    self.beam_size, self.length_penalty_alpha, self.max_extra_length = beam_size, length_penalty_alpha, max_extra_length
+    if beam_top_k not in platforms.TOP_K:
+      raise UserError(f"beam_top_k={beam_top_k!r}: use one of {', '.join(platforms.TOP_K)}")
+    self.eval_tokens_per_batch, self.beam_top_k = eval_tokens_per_batch, beam_top_k
     self.checkpoints, self.settings = tuple(checkpoints), settings
 
   @classmethod
@@ -176,8 +178,8 @@ class Translator:
     given in `overrides` (the keyword arguments of Translator).
     """
     import flax.linen as nn
-    from flax_transformer import average, checkpointing, partitioning, settings, storage, workdirs
-    run = settings.resolve(workdirs.read_config(workdir))
+    from flax_transformer import average, checkpointing, partitioning, storage, workdirs
+    run = workdirs.read_settings(workdir)
     model_config = run.model
     processor = tokenizer.load(run.data.vocab_path or f'{workdir}/{tokenizer.VOCAB_FILENAME}', model_config.vocab_size)
     source, where = (checkpoint_dir, f'--checkpoint_dir={checkpoint_dir}') if checkpoint_dir else (workdir, workdir)
@@ -194,8 +196,9 @@ class Translator:
       count = average_last if average_last is not None else run.loop.average_last
       params, chosen = average.averaged_params(source, count, model_config, where)
     d = run.decode
-    defaults = {'beam_size': d.beam_size, 'alpha': d.length_penalty_alpha, 'max_extra_length': d.max_extra_length,
-                'batch_tokens': d.eval_tokens_per_batch, 'top_k': d.beam_top_k}
+    defaults = {'beam_size': d.beam_size, 'length_penalty_alpha': d.length_penalty_alpha,
+                'max_extra_length': d.max_extra_length, 'eval_tokens_per_batch': d.eval_tokens_per_batch,
+                'beam_top_k': d.beam_top_k}
     return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run, **{**defaults, **overrides})
 
   # --- Text in, text out --------------------------------------------------------------
@@ -213,7 +216,8 @@ class Translator:
     """Indices of the sentences (as `encode` gives them) longer than the model takes."""
     return [i for i, ids in enumerate(encoded) if len(ids) > self.max_source_tokens]
 
-  def translate(self, sentences: list[str], beam_size: int | None = None, alpha: float | None = None, *,
+  def translate(self, sentences: list[str], beam_size: int | None = None, length_penalty_alpha: float | None = None,
+                *,
                 split_long: bool = False, encoded: list[list[int]] | None = None, progress=None,
                 should_stop=None) -> list[str] | None:
     """Translations of `sentences`, in their order; an empty sentence gives an empty translation.
@@ -234,7 +238,7 @@ class Translator:
         pieces += self.encode(split) if split else [ids]
         owners += [i] * (len(split) if split else 1)
       encoded = pieces
-    hypotheses = self._decode(encoded, beam_size, alpha, None, progress, should_stop)
+    hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop)
     if hypotheses is None:
       return None
     translations = [''] * len(sentences)
@@ -243,13 +247,13 @@ class Translator:
     return translations
 
   def n_best(self, sentences: list[str], k: int, beam_size: int | None = None,
-             alpha: float | None = None) -> list[list[tuple[str, float]]]:
+             length_penalty_alpha: float | None = None) -> list[list[tuple[str, float]]]:
     """The `k` best translations of each sentence with their length-penalised log-probabilities (the
     beam's own ranking), best first. The beam is max(k, beam_size) wide. An empty sentence gives []."""
     if not isinstance(k, int) or k < 1:
       raise UserError(f'n_best k={k!r} must be a positive integer; ask for at least one hypothesis')
     beam = max(k, self.beam_size if beam_size is None else beam_size)
-    results = self._decode(self.encode(texts(sentences)), beam, alpha, k)
+    results = self._decode(self.encode(texts(sentences)), beam, length_penalty_alpha, k)
     return [[(text, score) for text, score in best] for best in results]
 
   def score(self, sources: list[str], targets: list[str]) -> list[float]:
@@ -282,20 +286,20 @@ class Translator:
 
   # --- Batches through the compiled programs -----------------------------------------------
 
-  def _decode(self, encoded, beam_size, alpha, num_results, progress=None, should_stop=None):
+  def _decode(self, encoded, beam_size, length_penalty_alpha, num_results, progress=None, should_stop=None):
     """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best."""
     beam_size = self.beam_size if beam_size is None else beam_size
-    alpha = self.alpha if alpha is None else alpha
+    alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
     _check_beam(beam_size, alpha)
     results = [[] for _ in encoded]
-    batches = translation_batches(encoded, self.max_source_tokens, self.batch_tokens)
+    batches = translation_batches(encoded, self.max_source_tokens, self.eval_tokens_per_batch)
     total, done = sum(len(indices) for indices, _ in batches), 0
     for indices, inputs in batches:
       if should_stop and should_stop():
         return None
-      max_output_length = decode.decode_length(inputs.shape[1], self.max_extra_length, self.model_config.max_positions)
-      translate = decode.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_output_length,
-                                          self.top_k_method, num_results)
+      max_output_length = search.decode_length(inputs.shape[1], self.max_extra_length, self.model_config.max_positions)
+      translate = search.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_output_length,
+                                          self.beam_top_k, num_results)
       tokens, scores = jax.device_get(translate(self.params, inputs))
       tokens, scores = np.asarray(tokens), np.asarray(scores)
       if num_results is None:
@@ -319,8 +323,8 @@ class Translator:
     # Batched by the longer side: a stand-in of that many ids gets the shape (its length + EOS) of each pair.
     longer = [[EOS_ID] * max(len(s), len(t), 1) for s, t in zip(source_ids, target_ids)]
     scores, attention = [0.0] * len(sources), [None] * len(sources)
-    batches = translation_batches(longer, limit, self.batch_tokens)
-    function = _jitted_teacher_forced(self.model, with_attention, layer if with_attention else -1)
+    batches = translation_batches(longer, limit, self.eval_tokens_per_batch)
+    function = _jitted_forced_scores(self.model, with_attention, layer if with_attention else -1)
     for indices, shape in batches:
       inputs, outputs = np.zeros(shape.shape, np.int32), np.zeros(shape.shape, np.int32)  # [rows, length]
       for row, i in enumerate(indices):
@@ -334,11 +338,12 @@ class Translator:
     return scores, (attention if with_attention else None)
 
 
-def _check_beam(beam_size, alpha):
+def _check_beam(beam_size, length_penalty_alpha):
   if not isinstance(beam_size, int) or beam_size < 1:
     raise UserError(f'beam_size={beam_size!r} must be a positive integer (1 = greedy search)')
-  if alpha < 0:
-    raise UserError(f'alpha={alpha} must be 0 or more (0 = no length penalty; the paper uses 0.6)')
+  if length_penalty_alpha < 0:
+    raise UserError(f'length_penalty_alpha={length_penalty_alpha} must be 0 or more (0 = no length penalty; the '
+                    f'paper uses 0.6)')
 
 
 def _on_devices(params) -> bool:

@@ -1,11 +1,12 @@
 """A run's workdir before and after training: the checks that it can be written and holds no other run, and
 its config.json (written at start-up, read back by translation, averaging, export and fine-tuning)."""
 
+import dataclasses
 import json
 
 import ml_collections
 
-from flax_transformer import checkpointing, settings, storage, tokenizer
+from flax_transformer import checkpointing, parallel_text, settings, storage, tokenizer
 from flax_transformer.errors import ConfigError, WorkdirError
 
 CONFIG_FILENAME = 'config.json'
@@ -13,33 +14,29 @@ CONFIG_FILENAME = 'config.json'
 COMPUTE_CHOICES = ('dropout_rate', 'attention_dropout_rate', 'dropout_masks', 'attention', 'dtype', 'scan_unroll')
 
 
-def check(workdir: str, config: ml_collections.ConfigDict, model=None) -> None:
-  """Refuses a workdir that cannot be written or that holds a run of a different model or vocabulary, or (given
-  the run's `model`, a TransformerConfig) whose newest checkpoint is not a training state of that model."""
+def check(workdir: str, s: 'settings.Settings') -> None:
+  """Refuses a workdir that cannot be written, that holds a run of a different model or vocabulary than the
+  resolved settings `s`, or whose newest checkpoint is not a training state of that model."""
   try:  # one probe per process: the processes of a multi-host run check the same (shared) workdir at once
     storage.check_writable(workdir, 'workdir', 'choose another --workdir')
     storage.check_writable(checkpointing.checkpoint_dir(workdir), 'the checkpoints folder of workdir',
                            'make it writable or choose another --workdir')
   except storage.StorageError as error:
     raise WorkdirError(str(error)) from None
-  path = storage.path(workdir) / CONFIG_FILENAME
-  if path.exists():
-    saved = read_config(workdir).to_dict()
-    current = json.loads(config.to_json())
-    for key in sorted(set(saved.get('model', {})) | set(current['model'])):
-      if saved.get('model', {}).get(key) != current['model'].get(key) and key not in COMPUTE_CHOICES:
-        raise WorkdirError(f'workdir {workdir} holds a run with model.{key}={saved["model"].get(key)!r} but this '
-                           f'config has {current["model"].get(key)!r}; use a new --workdir (the existing run is left '
-                           f'untouched)')
-    for key in ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'):
-      if saved.get(key) != current.get(key):
-        raise WorkdirError(f'workdir {workdir} holds a run with {key}={saved.get(key)!r} but this config has '
-                           f'{current.get(key)!r}; use a new --workdir (the existing run is left untouched)')
+  if (storage.path(workdir) / CONFIG_FILENAME).exists():
+    saved = read_settings(workdir, platform=s.platform)
+    for stage, keys, prefix in (('model', [f.name for f in dataclasses.fields(s.model) if f.name not in COMPUTE_CHOICES],
+                                 'model.'), ('data', ('vocab_path', 'vocab_type', 'source_lang', 'target_lang'), '')):
+      for key in keys:
+        before, now = getattr(getattr(saved, stage), key), getattr(getattr(s, stage), key)
+        if before != now:
+          raise WorkdirError(f'workdir {workdir} holds a run with {prefix}{key}={before!r} but this config has '
+                             f'{now!r}; use a new --workdir (the existing run is left untouched)')
   steps = checkpointing.available_steps(workdir)
-  if model is not None and steps:
+  if steps:
     import flax.linen as nn
     from flax_transformer import partitioning
-    abstract = nn.meta.unbox(partitioning.abstract_params(model))
+    abstract = nn.meta.unbox(partitioning.abstract_params(s.model))
     checkpointing.check_kind(checkpointing.checkpoint_dir(workdir) / str(steps[-1]), abstract, True, workdir)
 
 
@@ -48,7 +45,7 @@ WRITTEN = (CONFIG_FILENAME, checkpointing.CHECKPOINT_DIR, 'tensorboard', 'train_
            'run.lock')
 
 
-def check_inputs(workdir, data: 'settings.DataSettings', init_from: str = '') -> None:
+def check_inputs(workdir, data: 'parallel_text.DataSettings', init_from: str = '') -> None:
   """Refuses a run whose writes would land on what it reads: the workdir may not be, hold or sit inside the
   run it fine-tunes from (`init_from`, a workdir), and none of the files training writes into it may be,
   hold or sit inside its data files or vocabulary."""
@@ -61,8 +58,19 @@ def check_inputs(workdir, data: 'settings.DataSettings', init_from: str = '') ->
     storage.check_output(f'{written}, which training writes,', written, reads, 'choose another --workdir')
 
 
-def write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  storage.write_atomic(storage.path(workdir) / CONFIG_FILENAME, config.to_json_best_effort(indent=2))
+def write_config(workdir: str, text: str) -> None:
+  """Writes the run's config.json (settings.to_json's text), whole or not at all."""
+  storage.write_atomic(storage.path(workdir) / CONFIG_FILENAME, text)
+
+
+def copy_config(workdir: str, target: str, **changes) -> None:
+  """The config.json of `workdir` into the workdir `target`, with `changes` made (e.g. average_last=1)."""
+  write_config(target, settings.to_json(read_config(workdir), **changes))
+
+
+def read_settings(workdir: str, flag: str = '--workdir', platform: str | None = None) -> 'settings.Settings':
+  """The settings of the run saved in `workdir`, resolved for `platform` (default: the one JAX runs on)."""
+  return settings.resolve(read_config(workdir, flag), platform)
 
 
 def read_config(workdir: str, flag: str = '--workdir') -> ml_collections.ConfigDict:

@@ -1,8 +1,6 @@
-"""python -m flax_transformer.export: the same network in CTranslate2 (greedy tokens equal ours), int8, errors."""
+"""The export program (python -m flax_transformer.export): the same network in CTranslate2 (greedy tokens equal ours), int8, errors."""
 
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -11,8 +9,10 @@ import numpy as np
 import pytest
 
 from flax_transformer import checkpointing, parallel_text, settings, tokenizer, workdirs
+from flax_transformer.commands import export as export_command
 from flax_transformer.model import Transformer
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT
+from tests.helpers import programs
 
 ctranslate2 = pytest.importorskip('ctranslate2')
 MULTI30K = os.path.join(ROOT, '..', 'shared', 'data', 'multi30k')
@@ -46,13 +46,13 @@ def workdir(request, tmp_path_factory):
   params = nn.meta.unbox(Transformer(model_config).init(jax.random.key(3), dummy, dummy)['params'])
   params = jax.tree_util.tree_map(lambda x: np.asarray(x) * 3.0, params)
   checkpointing.save_params(checkpointing.checkpoint_dir(directory), 1, params)
-  workdirs.write_config(directory, config)
+  workdirs.write_config(directory, settings.to_json(config))
   return str(directory), sources, targets
 
 
 def _export(workdir, output, *flags):
-  return subprocess.run([sys.executable, '-m', 'flax_transformer.export', f'--workdir={workdir}', f'--output={output}',
-                         *flags], env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+  """python -m flax_transformer.export with these flags, run in this process (tests/helpers/programs.py)."""
+  return programs.run(export_command.main, ['export', f'--workdir={workdir}', f'--output={output}', *flags], text=True)
 
 
 @pytest.mark.slow

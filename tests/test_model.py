@@ -215,7 +215,7 @@ def test_dropout_sits_where_the_paper_puts_it(small_model_config, monkeypatch):
   ids = np.ones((2, 5), np.int32)
   params = model.init(jax.random.key(0), ids, ids)['params']
   monkeypatch.setattr(layers.Dropout, '__call__', record)
-  model.apply({'params': params}, ids, ids, train=True, rngs={'dropout': jax.random.key(1)})
+  model.apply({'params': params}, ids, ids, deterministic=False, rngs={'dropout': jax.random.key(1)})
   # The layer stacks are scanned: each layer's modules are traced once per layer.
   encoder = ['encoder/attention_sublayer/dropout', 'encoder/feed_forward_sublayer/dropout']
   decoder = ['decoder/self_attention_sublayer/dropout', 'decoder/cross_attention_sublayer/dropout',

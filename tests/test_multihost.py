@@ -16,7 +16,9 @@ import pytest
 from tools import compare_runs
 from flax_transformer import settings, train_state, workdirs
 from flax_transformer import checkpointing, evaluation, parallel_text, partitioning, steps, storage, token_table, tokenizer
+from flax_transformer.commands import average as average_command, translate as translate_command
 from flax_transformer.translator import Translator
+from tests.helpers import programs
 from tests.helpers.corpus import write_corpus
 from tests.test_partitioning import _free_port
 from tests.conftest import ROOT, subprocess_env
@@ -117,15 +119,13 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
   assert [s['shard'] for s in states] == [[0, 2], [1, 2]] and states[0]['positions'] == states[1]['positions']
   assert (storage.path(killed) / 'tensorboard').is_dir() and (storage.path(killed) / 'translations').is_dir()
 
-  one_device = {**subprocess_env(1), **gcs}
-  averaged = subprocess.run([sys.executable, '-m', 'flax_transformer.average', f'--workdir={killed}',
-                             '--output=gs://bucket/averaged', '--last=2'], env=one_device, cwd=cwd,
-                            capture_output=True, text=True, timeout=300)
+  # The averaged model and its translations, on gs:// too (the programs run in this process, on its devices).
+  averaged = programs.run(average_command.main, ['average', f'--workdir={killed}', '--output=gs://bucket/averaged',
+                                                 '--last=2'], cwd=cwd, text=True)
   assert averaged.returncode == 0, averaged.stderr[-2000:]
-  translated = subprocess.run([sys.executable, os.path.join(ROOT, 'translate.py'), '--workdir=gs://bucket/averaged',
-                               f'--input={bucket_corpus}/eval.src.gz', '--output=gs://bucket/eval.de.gz',
-                               f'--reference={bucket_corpus}/eval.tgt.gz'], env=one_device, cwd=cwd,
-                              capture_output=True, text=True, timeout=300)
+  translated = programs.run(translate_command.main, [
+      'translate.py', '--workdir=gs://bucket/averaged', f'--input={bucket_corpus}/eval.src.gz',
+      '--output=gs://bucket/eval.de.gz', f'--reference={bucket_corpus}/eval.tgt.gz'], cwd=cwd, text=True)
   assert translated.returncode == 0, translated.stderr[-2000:]
   assert 'BLEU = ' in translated.stderr
   lines = parallel_text.read_lines('gs://bucket/eval.de.gz')
@@ -154,8 +154,8 @@ def test_evaluation_equals_one_process(corpus, reference, tiny_config):
                                      lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()})
   pairs = list(parallel_text.python_pairs(settings.resolve(config).data, 'eval'))[:config.num_eval_bleu_sentences]
   hypotheses = Translator(jax.device_get(state.params), model_config, processor, beam_size=config.beam_size,
-                          alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
-                          batch_tokens=config.eval_tokens_per_batch).translate([p[0] for p in pairs])
+                          length_penalty_alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
+                          eval_tokens_per_batch=config.eval_tokens_per_batch).translate([p[0] for p in pairs])
   bleu, _ = evaluation.bleu(hypotheses, [p[1] for p in pairs])
   print('two processes:', logged, '\none process:', results, bleu, hypotheses)
   with open(os.path.join(workdir, 'translations', f'eval_{STEPS}.txt')) as f:

@@ -3,7 +3,7 @@
 import pytest
 
 from configs import tiny
-from flax_transformer import plan
+from flax_transformer import plan, settings
 
 
 def test_analytic_flops_match_a_hand_count():
@@ -27,12 +27,12 @@ def test_a_plan_that_does_not_fit_names_the_mesh_that_does():
   config.max_train_length = 8
   config.tokens_per_batch = 64
   config.model.scan_unroll = config.model.num_encoder_layers  # one compilation per mesh: memory and FLOPs alike
-  config = plan.for_target(config, 'cpu')
-  replicated = plan.total_bytes(plan.compile_step(config, (8, 1, 1)))
-  sharded = plan.total_bytes(plan.compile_step(config, (1, 8, 1)))
+  s = settings.resolve(config, 'cpu')
+  replicated = plan.total_bytes(plan.compile_step(s, (8, 1, 1)))
+  sharded = plan.total_bytes(plan.compile_step(s, (1, 8, 1)))
   assert sharded < replicated
   limit_gb = (sharded + replicated) / 2 / 1e9
-  figures = plan.plan(config, 8, (8, 1, 1), device_memory_gb=limit_gb)
+  figures = plan.plan(s, 8, (8, 1, 1), device_memory_gb=limit_gb)
   assert figures['fits'] is False
   assert figures['fix']['flags'] == '--mesh=(1, 8, 1)'
   assert figures['fix']['total_bytes_per_device'] <= limit_gb * 1e9

@@ -14,10 +14,10 @@ from flax_transformer import settings
 from flax_transformer.errors import ConfigError
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'flax_transformer')
-# The modules that hold the whole run config: this one's subject, the loop, the workdir's config.json and the
+# The modules that hold the whole run config: this one's subject, the loop (set-up and train_and_evaluate) and the
 # programs (their command lines build it). Every other module takes its own stage's settings.
-HOLDERS = {'settings.py', 'train_loop.py', 'startup.py', 'workdirs.py', 'plan.py', 'average.py', 'commands/train.py',
-           'commands/translate.py', 'commands/__init__.py'}
+HOLDERS = {'settings.py', 'train_loop.py', 'startup.py', 'commands/train.py', 'commands/translate.py',
+           'commands/__init__.py', 'commands/plan.py', 'commands/inspect_batches.py'}
 
 
 @pytest.mark.parametrize('module', [base, big, multi30k, tiny])

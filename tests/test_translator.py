@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer import decode, steps, tokenizer
+from flax_transformer import search, steps, tokenizer
 from flax_transformer.errors import UserError
 from flax_transformer.model import Transformer, TransformerConfig
 from flax_transformer import translator as translator_module
@@ -30,7 +30,7 @@ def translator(tmp_path_factory):
                              num_decoder_layers=2, max_positions=128, share_embeddings=False, dropout_rate=0.0)
   dummy = np.ones((1, 4), np.int32)
   params = nn.meta.unbox(Transformer(config).init(jax.random.key(3), dummy, dummy)['params'])
-  return Translator(params, config, processor, beam_size=2, alpha=0.6, max_extra_length=4)
+  return Translator(params, config, processor, beam_size=2, length_penalty_alpha=0.6, max_extra_length=4)
 
 
 def test_translations_come_back_in_input_order(translator):
@@ -82,7 +82,7 @@ def test_n_best_is_the_beam_ranked_and_its_first_is_the_translation(translator):
     assert scores == sorted(scores, reverse=True)
   # The beam search's own tokens and scores for the first batch, through decode.py directly.
   inputs = np.array([translator.processor.encode(LINES[1]) + [1]], np.int32)
-  tokens, scores = decode.jitted_translate(translator.model, 3, 0.6, 4, 16, translator.top_k_method, 3)(
+  tokens, scores = search.jitted_translate(translator.model, 3, 0.6, 4, 16, translator.beam_top_k, 3)(
       translator.params, inputs)
   np.testing.assert_allclose([s for _, s in results[1]], np.asarray(scores)[0], atol=1e-4)
 
@@ -109,7 +109,7 @@ def test_alignments_are_the_argmax_of_the_penultimate_layers_cross_attention(tra
     (lambda t: t.score(['a', 'b'], ['A']), '2 sources but 1 targets'),
     (lambda t: t.translate(['a'], beam_size=0), 'beam_size=0 must be a positive integer'),
     (lambda t: t.n_best(['a'], 0), 'n_best k=0 must be a positive integer'),
-    (lambda t: t.translate(['a'], alpha=-1.0), 'alpha=-1.0 must be 0 or more'),
+    (lambda t: t.translate(['a'], length_penalty_alpha=-1.0), 'length_penalty_alpha=-1.0 must be 0 or more'),
 ])
 def test_bad_arguments_are_one_line_errors(translator, call, message):
   with pytest.raises(UserError, match=message):

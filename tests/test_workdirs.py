@@ -6,25 +6,25 @@ import json
 import pytest
 
 from configs import tiny
-from flax_transformer import workdirs
+from flax_transformer import settings, workdirs
 from flax_transformer.errors import WorkdirError
 
 
 def test_a_workdir_of_another_model_is_refused_and_compute_choices_may_change(tmp_path):
   config = tiny.get_config()
-  workdirs.check(str(tmp_path), config)  # empty: fine
-  workdirs.write_config(str(tmp_path), config)
+  workdirs.check(str(tmp_path), settings.resolve(config, 'cpu'))  # empty: fine
+  workdirs.write_config(str(tmp_path), settings.to_json(config))
   changed = tiny.get_config()
   changed.model.dropout_rate, changed.model.dtype, changed.model.attention = 0.3, 'bfloat16', 'explicit'
-  workdirs.check(str(tmp_path), changed)  # how the same network is computed may change on resume
+  workdirs.check(str(tmp_path), settings.resolve(changed, 'cpu'))  # how the same network is computed may change
   changed.model.d_ff = 2 * config.model.d_ff
   with pytest.raises(WorkdirError, match=rf'holds a run with model.d_ff={config.model.d_ff} but this config has '
                                          rf'{2 * config.model.d_ff}; use a new --workdir'):
-    workdirs.check(str(tmp_path), changed)
+    workdirs.check(str(tmp_path), settings.resolve(changed, 'cpu'))
   other = tiny.get_config()
   other.target_lang = 'fr'
   with pytest.raises(WorkdirError, match="holds a run with target_lang='de' but this config has 'fr'"):
-    workdirs.check(str(tmp_path), other)
+    workdirs.check(str(tmp_path), settings.resolve(other, 'cpu'))
 
 
 def test_an_older_config_json_reads_under_todays_names_and_resumes(tmp_path):
@@ -37,7 +37,7 @@ def test_an_older_config_json_reads_under_todays_names_and_resumes(tmp_path):
   saved = workdirs.read_config(str(tmp_path))
   assert saved.max_train_length == config.max_train_length and saved.model.max_positions == config.model.max_positions
   assert saved.max_skipped_steps == 0
-  workdirs.check(str(tmp_path), config)  # the same model under its new names: the run may resume
+  workdirs.check(str(tmp_path), settings.resolve(config, 'cpu'))  # the same model under its new names: it may resume
 
 
 def test_a_damaged_or_missing_config_json_is_a_one_line_error(tmp_path):

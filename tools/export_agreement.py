@@ -46,7 +46,7 @@ def main(argv):
     for quantization in ('float32', 'int8'):
       export.export(f.workdir, f'{directory}/{quantization}', quantization, average_last=f.average_last)
     greedy = ours.translate(sources, beam_size=1)
-    beam = ours.translate(sources, beam_size=4, alpha=0.6)
+    beam = ours.translate(sources, beam_size=4, length_penalty_alpha=0.6)
     rows.append(('ours', None, evaluation.bleu(beam, references)[0]))
     for quantization in ('float32', 'int8'):
       translator = ctranslate2.Translator(f'{directory}/{quantization}', device='cpu')

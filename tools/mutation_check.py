@@ -20,7 +20,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_TESTS = 'tests/test_model.py tests/test_layers.py'
-DECODE_TESTS = 'tests/test_decode.py'
+DECODE_TESTS = 'tests/test_search.py'
 
 # (what departs from the paper, file, original fragment (unique in the file), mutated fragment, tests that catch it)
 MUTATIONS = [
@@ -62,8 +62,8 @@ MUTATIONS = [
      'allowed = jnp.tril(jnp.ones((query_length, key_length), dtype=bool))',
      'allowed = jnp.tril(jnp.ones((query_length, key_length), dtype=bool), 1)', MODEL_TESTS),
     ('no padding mask in cross-attention', 'flax_transformer/model.py',
-     'return self.decoder(y, encoded, layers.key_lengths(inputs), not train)',
-     'return self.decoder(y, encoded, None, not train)', MODEL_TESTS),
+     'return self.decoder(y, encoded, layers.key_lengths(inputs), deterministic)',
+     'return self.decoder(y, encoded, None, deterministic)', MODEL_TESTS),
     ('target shift off by one', 'flax_transformer/model.py',
      'jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]',
      'jnp.pad(targets, ((0, 0), (0, 0)), constant_values=PAD_ID)', MODEL_TESTS),
@@ -73,12 +73,12 @@ MUTATIONS = [
      'tests/test_losses.py tests/test_steps.py'),
     ('length penalty alpha 0.6 -> 1.0', 'configs/base.py', 'config.length_penalty_alpha = 0.6',
      'config.length_penalty_alpha = 1.0', DECODE_TESTS + ' tests/test_commands_translate.py'),
-    ('length penalty (5 + len) / 6 -> len', 'flax_transformer/decode.py',
-     'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha',
-     'return jnp.asarray(length, jnp.float32) ** alpha', DECODE_TESTS),
+    ('length penalty (5 + len) / 6 -> len', 'flax_transformer/search.py',
+     'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** length_penalty_alpha',
+     'return jnp.asarray(length, jnp.float32) ** length_penalty_alpha', DECODE_TESTS),
     ('maximum output input + 50 -> + 40', 'configs/base.py', 'config.max_extra_length = 50',
      'config.max_extra_length = 40', DECODE_TESTS + ' tests/test_commands_translate.py'),
-    ('beam search stops early on any finished sentence', 'flax_transformer/decode.py',
+    ('beam search stops early on any finished sentence', 'flax_transformer/search.py',
      'return (step < length) & ~jnp.all(sentence_done)', 'return (step < length) & ~jnp.any(sentence_done)',
      DECODE_TESTS),
     ('checkpoint averaging over k + 1', 'flax_transformer/average.py', 'return steps[-count:]',

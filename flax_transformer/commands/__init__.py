@@ -1,7 +1,7 @@
 """The command-line programs, one module each: train, translate, average, export, plan, inspect_batches.
 
 Installed as flax-transformer-train, -translate, -average, -export, -plan and -inspect; also run as train.py,
-translate.py and `python -m flax_transformer.<program>`. Every program goes through `run`: its own flags
+translate.py and `python -m flax_transformer.<program>`. Every program goes through `run_program`: its own flags
 parsed from its own argv (so a program can be called in-process, as the tests do), and every way it can end
 turned into one exit status:
 
@@ -136,7 +136,7 @@ def _not_orbax_errors(record) -> bool:
   return not (record.levelno >= 40 and f'{os.sep}orbax{os.sep}' in record.pathname)
 
 
-def run(argv: list[str], define: Callable, main: Callable, doc: str, required: tuple[str, ...] = (),
+def run_program(argv: list[str], define: Callable, main: Callable, doc: str, required: tuple[str, ...] = (),
         config_flag: str | None = None) -> int:
   """Runs one program on `argv` (argv[0] its name): `define(flag_values, argv)` defines its flags, `main(flag_values)`
   does its work; the flags named in `required` must be given, `config_flag` names its run-config flag. Returns

@@ -30,7 +30,7 @@ def average(f) -> None:
 def main(argv: list[str]) -> int:
   """The program on `argv`; returns its exit status (flax_transformer.commands)."""
   from flax_transformer import commands
-  return commands.run(argv, define, average, __doc__, required=('workdir', 'output'))
+  return commands.run_program(argv, define, average, __doc__, required=('workdir', 'output'))
 
 
 def console():

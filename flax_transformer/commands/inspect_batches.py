@@ -28,7 +28,7 @@ def inspect(f) -> None:
 def main(argv: list[str]) -> int:
   """The program on `argv`; returns its exit status (flax_transformer.commands)."""
   from flax_transformer import commands
-  return commands.run(argv, define, inspect, __doc__, required=('config',), config_flag='config')
+  return commands.run_program(argv, define, inspect, __doc__, required=('config',), config_flag='config')
 
 
 def console():

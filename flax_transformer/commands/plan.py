@@ -77,10 +77,11 @@ def define(flag_values, argv) -> None:
 
 
 def report(f) -> None:
-  from flax_transformer import plan
+  from flax_transformer import plan, settings
   check_flags(f)
-  mesh = parse_mesh(f.mesh) if f.mesh else tuple(f.config.mesh_shape)
-  figures = plan.plan(f.config, f.devices, mesh, f.peak_tflops, f.mfu, f.device_memory_gb, f.target)
+  s = settings.resolve(f.config, f.target)  # the choices of the platform planned for, made once
+  mesh = parse_mesh(f.mesh) if f.mesh else s.loop.mesh_shape
+  figures = plan.plan(s, f.devices, mesh, f.peak_tflops, f.mfu, f.device_memory_gb)
   print(f'capacity plan for {f.target}, computed by compiling the train step on {f.devices} fake CPU devices '
         f'(not measured)')
   print(plan.table(figures, f.peak_tflops, f.mfu, f.device_memory_gb))
@@ -95,7 +96,7 @@ def report(f) -> None:
 def main(argv: list[str]) -> int:
   """The program on `argv` (in a process whose JAX started with --devices devices); returns its exit status."""
   from flax_transformer import commands
-  return commands.run(argv, define, report, __doc__, required=('config',), config_flag='config')
+  return commands.run_program(argv, define, report, __doc__, required=('config',), config_flag='config')
 
 
 def console():

@@ -23,6 +23,7 @@ def train(f) -> None:
   from flax_transformer import cluster, train_loop
   try:
     train_loop.train_and_evaluate(f.config, f.workdir)
+    cluster.finish_watching()
   except cluster.ProcessError:  # every process raised it: nothing to tell the others
     cluster.leave_last()
     raise
@@ -35,7 +36,7 @@ def train(f) -> None:
 def main(argv: list[str]) -> int:
   """The program on `argv`; returns its exit status (flax_transformer.commands)."""
   from flax_transformer import commands
-  return commands.run(argv, define, train, __doc__, required=('config', 'workdir'), config_flag='config')
+  return commands.run_program(argv, define, train, __doc__, required=('config', 'workdir'), config_flag='config')
 
 
 def console():

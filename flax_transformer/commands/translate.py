@@ -35,8 +35,10 @@ def define(flag_values, argv) -> None:
   define('string', 'reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
          'targets to score.')
   define('integer', 'beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
-  define('float', 'alpha', None, 'Length-penalty exponent (default: the config\'s).')
-  define('integer', 'batch_tokens', None, 'Source tokens per decoding batch (default: config eval_tokens_per_batch).')
+  define('float', 'length_penalty_alpha', None, 'Length-penalty exponent α (default: the config\'s).')
+  define('integer', 'eval_tokens_per_batch', None, 'Source tokens per translation batch (default: the config\'s).')
+  flags.DEFINE_alias('alpha', 'length_penalty_alpha', flag_values=flag_values)
+  flags.DEFINE_alias('batch_tokens', 'eval_tokens_per_batch', flag_values=flag_values)
   define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
   define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
   define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
@@ -60,10 +62,10 @@ def check_flags(f) -> None:
   from flax_transformer.errors import UserError
   if f.beam_size is not None and f.beam_size < 1:
     raise UserError(f'--beam_size={f.beam_size} must be at least 1 (1 = greedy search)')
-  if f.alpha is not None and f.alpha < 0:
-    raise UserError(f'--alpha={f.alpha} must be 0 or more (0 = no length penalty)')
-  if f.batch_tokens is not None and f.batch_tokens < 1:
-    raise UserError(f'--batch_tokens={f.batch_tokens} must be at least 1')
+  if f.length_penalty_alpha is not None and f.length_penalty_alpha < 0:
+    raise UserError(f'--length_penalty_alpha={f.length_penalty_alpha} must be 0 or more (0 = no length penalty)')
+  if f.eval_tokens_per_batch is not None and f.eval_tokens_per_batch < 1:
+    raise UserError(f'--eval_tokens_per_batch={f.eval_tokens_per_batch} must be at least 1')
   if f.n_best < 0:
     raise UserError(f'--n_best={f.n_best} must be 1 or more (0 = translations only)')
   if f.score and not f.reference:
@@ -136,7 +138,7 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
     print(f'warning: {len(too_long)} input line(s) longer than the model\'s {translator.max_source_tokens} tokens '
           f'(line {shown}) are {what}', file=sys.stderr)
   if f.n_best:
-    hypotheses = translator.n_best(sources, f.n_best, f.beam_size, f.alpha)
+    hypotheses = translator.n_best(sources, f.n_best, f.beam_size, f.length_penalty_alpha)
     lines, best = [], [h[0][0] if h else '' for h in hypotheses]
     for i, found in enumerate(hypotheses):
       entries = [{'text': text, 'score': round(score, 4)} for text, score in found]
@@ -145,7 +147,7 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
           entry['alignment'] = links
       lines.append(json.dumps({'n': first + i, 'hypotheses': entries}, ensure_ascii=False))
     return lines, best
-  best = translator.translate(sources, f.beam_size, f.alpha, split_long=f.split_long, encoded=encoded,
+  best = translator.translate(sources, f.beam_size, f.length_penalty_alpha, split_long=f.split_long, encoded=encoded,
                               progress=progress)
   if f.alignment:
     return [f'{t} ||| {links}' for t, links in zip(best, translator.alignments(sources, best))], best
@@ -165,8 +167,8 @@ def translate(f) -> None:
   if sources is not None and references is not None and len(references) != len(sources):
     raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
-  settings = {'batch_tokens': f.batch_tokens} if f.batch_tokens else {}
-  translator = Translator.from_workdir(f.workdir, f.step, f.average_last, f.checkpoint_dir, **settings)
+  overrides = {'eval_tokens_per_batch': f.eval_tokens_per_batch} if f.eval_tokens_per_batch else {}
+  translator = Translator.from_workdir(f.workdir, f.step, f.average_last, f.checkpoint_dir, **overrides)
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
   print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
@@ -204,11 +206,11 @@ def translate(f) -> None:
     if len(references) != len(translations):
       raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input had '
                                      f'{len(translations)}; give the reference of this input')
-    run = translator.settings
-    tokenize = f.bleu_tokenize or run.decode.bleu_tokenize
+    s = translator.settings
+    tokenize = f.bleu_tokenize or s.decode.bleu_tokenize
     score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
-    if run.data.dataset.startswith('wmt14'):
+    if s.data.dataset.startswith('wmt14'):
       score, label = evaluation.paper_bleu(translations, references)
       print(f'BLEU = {score:.2f} ({label})', file=sys.stderr)
 
@@ -216,7 +218,7 @@ def translate(f) -> None:
 def main(argv: list[str]) -> int:
   """The program on `argv`; returns its exit status (flax_transformer.commands)."""
   from flax_transformer import commands
-  return commands.run(argv, define, translate, __doc__, required=('workdir',))
+  return commands.run_program(argv, define, translate, __doc__, required=('workdir',))
 
 
 def console():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import decode
+from flax_transformer import search
 from flax_transformer.model import Transformer
 from tests.conftest import random_batch
 
@@ -91,7 +91,7 @@ def test_beam_search_finds_the_brute_force_optimum(alpha):
   for b, table in enumerate(tables):
     beam = 3 ** (max_length - 1) * 2  # wide enough to be exhaustive
     cache = {'step': jnp.array(0), 'rows': jnp.zeros((beam,))}
-    tokens, scores = jax.jit(lambda c: decode.beam_search(_table_model(table), c, 1, jnp.array([max_length]),
+    tokens, scores = jax.jit(lambda c: search.beam_search(_table_model(table), c, 1, jnp.array([max_length]),
                                                           max_length, beam, alpha))(cache)
     expected_score, expected_seq = _brute_force(table, max_length, alpha)
     np.testing.assert_allclose(float(scores[0]), expected_score, rtol=1e-5)
@@ -105,7 +105,7 @@ def test_beam_one_and_batch_order(small_model_config, np_rng):
   batch = random_batch(np_rng, 4, 6, 5, small_model_config.vocab_size)
   model = Transformer(small_model_config)
   params = nn.meta.unbox(model.init(jax.random.key(2), batch['inputs'], batch['targets'])['params'])
-  run = lambda inputs, beam: decode.jitted_translate(model, beam, 0.6, 5, 12)(params, inputs)
+  run = lambda inputs, beam: search.jitted_translate(model, beam, 0.6, 5, 12)(params, inputs)
   beam_1, _ = run(batch['inputs'], 1)
   expected, _ = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 1, 0.6, 5, 12))(params, batch['inputs'])
   np.testing.assert_array_equal(np.asarray(beam_1), np.asarray(expected))
@@ -129,7 +129,7 @@ def _uncached_beam_search(model, params, inputs, beam_size, alpha, max_extra, le
 
   cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, length), jnp.int32), 'step': jnp.array(0)}
   max_lengths = jnp.sum(inputs > 0, axis=1) + max_extra
-  return decode.beam_search(step, cache, inputs.shape[0], max_lengths, length, beam_size, alpha)
+  return search.beam_search(step, cache, inputs.shape[0], max_lengths, length, beam_size, alpha)
 
 
 def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
@@ -142,7 +142,7 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
   inputs = jnp.asarray(batch['inputs'])
   expected, expected_scores = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 4, 0.6, 6, 16))(params, inputs)
   for method in ('two_stage', 'lax'):  # the CPU choice and the GPU/TPU choice (platforms.py) agree
-    cached, cached_scores = decode.jitted_translate(model, 4, 0.6, 6, 16, method)(params, inputs)
+    cached, cached_scores = search.jitted_translate(model, 4, 0.6, 6, 16, method)(params, inputs)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(expected))
     np.testing.assert_allclose(np.asarray(cached_scores), np.asarray(expected_scores), rtol=1e-4, atol=1e-5)
 
@@ -151,7 +151,7 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
     encoded = model.apply({'params': params}, inputs, method=model.encode)
     cache = model.apply({'params': params}, encoded, 4, 16, method=model.init_cache)
     step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
-    return decode.beam_search(step, cache, inputs.shape[0], jnp.sum(inputs > 0, 1) + 6, 16, 4, 0.6,
+    return search.beam_search(step, cache, inputs.shape[0], jnp.sum(inputs > 0, 1) + 6, 16, 4, 0.6,
                               reorder_cache=lambda c, rows: c)[0]
   assert not np.array_equal(np.asarray(jax.jit(stale)(params, inputs)), np.asarray(expected))
 
@@ -164,7 +164,7 @@ def test_blocked_top_k_equals_lax_top_k(ties, width):
   shape = (16, width)
   # Integers below 1000: the 8 largest of 5120 often tie, within and across blocks.
   x = rng.integers(0, 1000, shape).astype(np.float32) if ties else rng.normal(size=shape).astype(np.float32)
-  values, indices = jax.jit(decode.top_k, static_argnums=(1, 2))(x, 8, 'two_stage')
+  values, indices = jax.jit(search.top_k, static_argnums=(1, 2))(x, 8, 'two_stage')
   expected_values, expected_indices = jax.lax.top_k(x, 8)
   np.testing.assert_array_equal(values, expected_values)
   np.testing.assert_array_equal(indices, expected_indices)

@@ -9,36 +9,52 @@ per-layer self-attention caches ([b·n, ...]); the encoder keys/values ([b, ...]
 sentence's beams and never copied.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import platforms
+from flax_transformer import evaluation, platforms
 from flax_transformer.constants import EOS_ID, IMPOSSIBLE_SCORE, PAD_ID
+from flax_transformer.fields import setting
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """§6.1 decoding and its scoring, config fields of these names."""
+  beam_size: int = setting('§6.1 beam size (4); 1 is greedy search.', minimum=1)
+  length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
+                                        high=float('inf'))
+  max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0)
+  beam_top_k: str = setting("How the beam's top-k is found: 'two_stage' (block maxima first, faster on CPU), "
+                            "'lax' (jax.lax.top_k); 'auto': by platform.", choices=platforms.TOP_K + ('auto',),
+                            before='auto')
+  eval_tokens_per_batch: int = setting('Source tokens of an evaluation or translation batch.', minimum=1)
+  bleu_tokenize: str = setting("sacreBLEU's tokenizer for validation BLEU and translate.py --reference ('none': "
+                               "pre-tokenized text).", choices=evaluation.BLEU_TOKENIZERS, before='13a')
 
-def length_penalty(length, alpha: float):
+
+def length_penalty(length, length_penalty_alpha: float):
   """GNMT (Wu et al., 2016): ((5 + |Y|) / 6)^α."""
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** length_penalty_alpha
 
 
-def top_k(x: jax.Array, k: int, method: str = 'lax'):
+def top_k(x: jax.Array, k: int, beam_top_k: str = 'lax'):
   """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages
-  (method 'two_stage'), or `jax.lax.top_k` itself (method 'lax'); a run's 'auto' is made by settings.py.
+  (beam_top_k 'two_stage'), or `jax.lax.top_k` itself (beam_top_k 'lax'); a run's 'auto' is made by settings.py.
 
   XLA:CPU's top-k sorts each whole row; over a vocabulary that costs more than the rest of a beam step.
   The k largest entries lie in the k blocks (of 64–128 entries, a divisor of v) with the largest
   maxima, so the search takes those blocks' maxima, then the top k of the entries of the chosen blocks
   (in index order, so ties resolve to the lowest index, as lax.top_k does).
   """
-  if method not in platforms.TOP_K:
-    raise ValueError(f'top-k method {method!r}: use one of {platforms.TOP_K}')
+  if beam_top_k not in platforms.TOP_K:
+    raise ValueError(f'beam_top_k={beam_top_k!r}: use one of {platforms.TOP_K}')
   rows, width = x.shape
   block = next((b for b in range(128, 63, -1) if width % b == 0), None)
-  if method == 'lax' or block is None or width < 4 * k * block:
+  if beam_top_k == 'lax' or block is None or width < 4 * k * block:
     return jax.lax.top_k(x, k)
   blocks = x.reshape(rows, width // block, block)  # [r, nb, block]
   _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [r, k]
@@ -59,8 +75,8 @@ def gather_leading_rows(tree, rows):
 
 
 def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
-                beam_size: int = 4, alpha: float = 0.6, eos_id: int = EOS_ID, reorder_cache=gather_leading_rows,
-                top_k_method: str = 'lax', num_results: int | None = None):
+                beam_size: int = 4, length_penalty_alpha: float = 0.6, eos_id: int = EOS_ID,
+                reorder_cache=gather_leading_rows, beam_top_k: str = 'lax', num_results: int | None = None):
   """Beam search returning the best hypothesis of each sentence, or its `num_results` best.
 
   Args:
@@ -69,9 +85,9 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     batch: b.
     max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50).
     max_output_length: static upper bound of max_lengths (the size of the output and the cache).
-    beam_size: n. alpha: length-penalty exponent (0 = none).
+    beam_size: n. length_penalty_alpha: the length penalty's exponent α (0 = none).
     reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
-    top_k_method: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
+    beam_top_k: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
     num_results: None for the best hypothesis alone; k ≤ n for the k best, the search then running until
       the k-th best finished one (not only the best) beats every live one.
   Returns:
@@ -84,16 +100,7 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   if not 1 <= kept <= n:
     raise ValueError(f'num_results={num_results} must be between 1 and the beam size {n}')
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), length)
-  max_penalty = length_penalty(max_lengths, alpha)  # [b]: the largest a live hypothesis can reach
-
-  initial = {
-      'step': jnp.array(0, jnp.int32),
-      'live_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),  # position 0: the start symbol
-      'live_scores': jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (n - 1), jnp.float32), (batch, 1)),  # [b, n]
-      'finished_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),
-      'finished_scores': jnp.full((batch, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
-      'cache': cache,
-  }
+  max_penalty = length_penalty(max_lengths, length_penalty_alpha)  # [b]: the largest a live hypothesis can reach
 
   def not_done(state):
     step = state['step']
@@ -107,48 +114,64 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     step = state['step']
     ids = state['live_tokens'][:, :, step].reshape(batch * n, 1)  # [bn, 1]
     logits, new_cache = tokens_to_logits(ids, state['cache'])
-    logits = logits.astype(jnp.float32)  # [bn, v]
-    vocab = logits.shape[-1]
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [bn, 1]
-    logits = logits.at[:, PAD_ID].set(IMPOSSIBLE_SCORE)  # padding is never produced
-    # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps
-    # a row's order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array).
-    per_row = min(2 * n, vocab)
-    row_logits, row_tokens = top_k(logits, per_row, top_k_method)  # [bn, k]
-    row_log_probs = (row_logits - log_normalizer).reshape(batch, n, per_row)  # [b, n, k]
-    candidates = (state['live_scores'][:, :, None] + row_log_probs).reshape(batch, n * per_row)  # [b, n·k]
-    # 2n candidates always include n that do not end here.
-    top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [b, 2n]
-    top_beam = top_index // per_row  # [b, 2n]
-    top_token = jnp.take_along_axis(row_tokens.reshape(batch, n * per_row), top_index, axis=1)  # [b, 2n]
+    top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, beam_top_k)  # [b, 2n] each
     top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
     top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
-    new_length = step + 1  # tokens produced, EOS included
-    at_limit = (new_length >= max_lengths)[:, None]  # [b, 1]
-    ends = (top_token == eos_id) | at_limit  # [b, 2n]
-
-    # Live: the n best candidates that continue.
-    live_candidate_scores = jnp.where(ends, IMPOSSIBLE_SCORE, top_scores)  # [b, 2n]
-    live_scores, live_pick = jax.lax.top_k(live_candidate_scores, n)  # [b, n]
-    live_tokens = jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1)  # [b, n, L+1]
+    ends = (top_token == eos_id) | (step + 1 >= max_lengths)[:, None]  # [b, 2n]: EOS, or the length limit
+    live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [b, n]: those that go on
     live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
     parent_rows = (live_beam + jnp.arange(batch)[:, None] * n).reshape(batch * n)  # [bn]
-    new_cache = reorder_cache(new_cache, parent_rows)
+    ended_scores = jnp.where(ends, top_scores / length_penalty(step + 1, length_penalty_alpha), IMPOSSIBLE_SCORE)
+    finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
+                                                      ended_scores, top_tokens, n)
+    return {'step': step + 1, 'live_scores': live_scores,
+            'live_tokens': jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1),  # [b, n, L+1]
+            'finished_tokens': finished_tokens, 'finished_scores': finished_scores,
+            'cache': reorder_cache(new_cache, parent_rows)}
 
-    # Finished: merge the candidates that end here (length-penalised) with those kept so far.
-    ended_scores = jnp.where(ends, top_scores / length_penalty(new_length, alpha), IMPOSSIBLE_SCORE)  # [b, 2n]
-    merged_scores = jnp.concatenate([state['finished_scores'], ended_scores], axis=1)  # [b, 3n]
-    merged_tokens = jnp.concatenate([state['finished_tokens'], top_tokens], axis=1)  # [b, 3n, L+1]
-    finished_scores, finished_pick = jax.lax.top_k(merged_scores, n)  # [b, n]
-    finished_tokens = jnp.take_along_axis(merged_tokens, finished_pick[:, :, None], axis=1)
-
-    return {'step': step + 1, 'live_tokens': live_tokens, 'live_scores': live_scores,
-            'finished_tokens': finished_tokens, 'finished_scores': finished_scores, 'cache': new_cache}
-
-  final = jax.lax.while_loop(not_done, body, initial)
+  final = jax.lax.while_loop(not_done, body, _initial_beams(batch, n, length, cache))
   if num_results:
     return final['finished_tokens'][:, :kept, 1:], final['finished_scores'][:, :kept]  # [b, k, L], [b, k]
   return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
+
+
+def _initial_beams(batch: int, n: int, length: int, cache) -> dict:
+  """The search's state before its first step: one live hypothesis a sentence (the start symbol), none finished."""
+  return {
+      'step': jnp.array(0, jnp.int32),
+      'live_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),  # position 0: the start symbol
+      'live_scores': jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (n - 1), jnp.float32), (batch, 1)),  # [b, n]
+      'finished_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),
+      'finished_scores': jnp.full((batch, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
+      'cache': cache,
+  }
+
+
+def _extensions(live_scores, logits, n: int, beam_top_k: str):
+  """The 2n best one-token extensions of each sentence's n live hypotheses (2n always include n that do not
+  end): live_scores [b, n], logits [b·n, v] -> (scores [b, 2n], parent beam [b, 2n], token [b, 2n])."""
+  batch = live_scores.shape[0]
+  logits = logits.astype(jnp.float32)  # [bn, v]
+  log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [bn, 1]
+  logits = logits.at[:, PAD_ID].set(IMPOSSIBLE_SCORE)  # padding is never produced
+  # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps a row's
+  # order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array).
+  per_row = min(2 * n, logits.shape[-1])
+  row_logits, row_tokens = top_k(logits, per_row, beam_top_k)  # [bn, k]
+  row_log_probs = (row_logits - log_normalizer).reshape(batch, n, per_row)  # [b, n, k]
+  candidates = (live_scores[:, :, None] + row_log_probs).reshape(batch, n * per_row)  # [b, n·k]
+  top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [b, 2n]
+  top_token = jnp.take_along_axis(row_tokens.reshape(batch, n * per_row), top_index, axis=1)  # [b, 2n]
+  return top_scores, top_index // per_row, top_token
+
+
+def _best_finished(finished_scores, finished_tokens, ended_scores, ended_tokens, n: int):
+  """The n best finished hypotheses: those kept so far ([b, n], [b, n, L+1]) merged with those that end at
+  this step ([b, 2n] length-penalised, [b, 2n, L+1]; the others at IMPOSSIBLE_SCORE)."""
+  merged_scores = jnp.concatenate([finished_scores, ended_scores], axis=1)  # [b, 3n]
+  merged_tokens = jnp.concatenate([finished_tokens, ended_tokens], axis=1)  # [b, 3n, L+1]
+  scores, pick = jax.lax.top_k(merged_scores, n)  # [b, n]
+  return scores, jnp.take_along_axis(merged_tokens, pick[:, :, None], axis=1)
 
 
 def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
@@ -184,13 +207,13 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
 
 # --- The Transformer as a tokens_to_logits callback ------------------------------------------
 
-def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_extra_length: int,
-                    max_output_length: int, top_k_method: str = 'lax', num_results: int | None = None):
+def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
+                    max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None):
   """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_output_length], scores [b]), or with
   num_results=k the k best of each sentence's beam: ([b, k, max_output_length], [b, k]).
 
   Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
-  Bind model/beam_size/alpha/max_extra_length/max_output_length with functools.partial and jit.
+  Bind model/beam_size/length_penalty_alpha/max_extra_length/max_output_length with functools.partial and jit.
   """
   batch = inputs.shape[0]
   encoded = model.apply({'params': params}, inputs, method=model.encode)  # [b, s, e]
@@ -205,17 +228,19 @@ def translate_batch(params, inputs, *, model, beam_size: int, alpha: float, max_
   if beam_size <= 1:
     tokens, scores = greedy_search(tokens_to_logits, cache, batch, max_lengths, max_output_length)
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
-  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_output_length, beam_size, alpha,
-                     reorder_cache=type(model).reorder_cache, top_k_method=top_k_method, num_results=num_results)
+  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_output_length, beam_size,
+                     length_penalty_alpha, reorder_cache=type(model).reorder_cache, beam_top_k=beam_top_k,
+                     num_results=num_results)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_translate(model, beam_size: int, alpha: float, max_extra_length: int, max_output_length: int,
-                     top_k_method: str = 'lax', num_results: int | None = None):
-  """One compiled predict step per (model, beam, alpha, lengths, top-k method, results); cached across calls."""
-  return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size, alpha=alpha,
+def jitted_translate(model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
+                     max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None):
+  """One compiled predict step per (model, beam, α, lengths, top-k, results); cached across calls."""
+  return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size,
+                                   length_penalty_alpha=length_penalty_alpha,
                                    max_extra_length=max_extra_length, max_output_length=max_output_length,
-                                   top_k_method=top_k_method, num_results=num_results))
+                                   beam_top_k=beam_top_k, num_results=num_results))
 
 
 def decode_length(source_length: int, max_extra_length: int, max_positions: int) -> int:

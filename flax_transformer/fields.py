@@ -1,0 +1,56 @@
+"""A setting's facts in one place: every field of a stage's settings dataclass is declared with `setting(...)`:
+its type (the annotation), a one-line description, the values it may take, and the value that runs saved
+before the field existed had. settings.py reads these to check a run config field by field and to load an
+older config.json; configs/*.py set the values.
+"""
+
+import dataclasses
+
+NEW = object()  # `before` of a field every saved config.json has
+
+
+def setting(doc: str, *, choices: tuple | None = None, minimum: float | None = None, greater: float | None = None,
+            low: float | None = None, high: float | None = None, check=None, before=NEW, derived: bool = False,
+            default=dataclasses.MISSING):
+  """A settings field. `choices`: the values allowed. `minimum` (inclusive) or `greater` (exclusive): a bound;
+  `low`, `high`: the half-open range [low, high). `check(value)`: raises a one-line ConfigError itself.
+  `before`: the value of runs saved before the field existed. `derived`: made by settings.py from other
+  fields (not a config field of this name)."""
+  return dataclasses.field(default=default, metadata={
+      'doc': doc, 'choices': choices, 'minimum': minimum, 'greater': greater, 'low': low, 'high': high,
+      'check': check, 'before': before, 'derived': derived})
+
+
+def problem(field: dataclasses.Field, value) -> str | None:
+  """What is wrong with `value` for `field`, in the words of a one-line error (after 'config.NAME=VALUE: '), or
+  None."""
+  kind, meta = field.type, field.metadata
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if kind is tuple and isinstance(value, list):
+    value = tuple(value)
+  typed = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+  if kind is int and meta.get('minimum') is not None:
+    if not typed or value < meta['minimum']:
+      return 'must be a positive integer' if meta['minimum'] >= 1 else 'must be a non-negative integer'
+    return None
+  if not typed:
+    return f'must be {"an" if kind is int else "a"} {kind.__name__}'
+  if meta.get('minimum') is not None and not value >= meta['minimum']:
+    return 'must be 0 (off) or positive'
+  if meta.get('greater') is not None and not value > meta['greater']:
+    return 'must be positive'
+  if meta.get('low') is not None and not meta['low'] <= value < meta['high']:
+    return f'must be in [{meta["low"]:g}, {meta["high"]:g})'
+  if meta.get('choices') is not None and value not in meta['choices']:
+    return f'must be one of {", ".join(map(str, meta["choices"]))}'
+  return None
+
+
+def typed(field: dataclasses.Field, value):
+  """`value` as the field's type holds it (an int for a float field as a float, a list as a tuple)."""
+  if field.type is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if field.type is tuple and isinstance(value, list):
+    return tuple(value)
+  return value
