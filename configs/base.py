@@ -46,6 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.vocab_type = 'bpe'  # §5.1 byte-pair encoding; 'unigram' is the alternative.
   config.vocab_sample_sentences = 4_000_000  # Drawn uniformly from both sides of the whole split (SentencePiece's memory grows with it).
   config.max_train_length = 256  # Training pairs with a longer side (in tokens) are dropped and counted.
+  config.token_cache = ''  # The training split tokenised once (folder or gs:// URL, shareable); '': WORKDIR/token_cache.
+  config.token_cache_block_pairs = 131_072  # Pairs per cache block: the unit of its parallel, resumable build.
   config.max_eval_length = 256  # Longest eval sentence kept whole; longer ones are truncated and counted.
   config.tokens_per_batch = 25_000  # §5.1: about 25,000 source and 25,000 target tokens per batch (global: all processes and devices).
   config.eval_tokens_per_batch = 8192  # Per-batch token budget for evaluation and decoding.

@@ -43,19 +43,23 @@ class DataStateMismatch(UserError):
 
 
 class DataStateHandler(ocp.CheckpointHandler):
-  """Orbax handler of the `data` item: each process writes and reads its own `process_<i>.json`."""
+  """Orbax handler of the `data` item: each process writes its own `process_<i>.json` (the global stream's
+  state, the same on every process) and reads its own, or process 0's when the run had fewer processes."""
 
   def save(self, directory, args: 'DataStateSave'):
     state = {**args.state, 'process_count': jax.process_count()}
     (directory / f'process_{jax.process_index()}.json').write_text(json.dumps(state))
 
   def restore(self, directory, args: 'DataStateRestore' = None) -> dict:
-    count = len(list(directory.glob('process_*.json')))
-    if count != jax.process_count():
-      raise DataStateMismatch(f'checkpoint {directory.parent.name} holds the data-iterator state of {count} '
-                              f'processes but this run has {jax.process_count()}; rerun with '
-                              f'--config.restore_data_state=false to restart the data stream')
-    return json.loads((directory / f'process_{jax.process_index()}.json').read_text())
+    own = directory / f'process_{jax.process_index()}.json'
+    state = json.loads((own if own.exists() else directory / 'process_0.json').read_text())
+    if 'shard' in state and state.get('process_count', 1) != jax.process_count():
+      raise DataStateMismatch(f'checkpoint {directory.parent.name} holds the per-process data state of '
+                              f'{state.get("process_count")} processes of an earlier version, but this run has '
+                              f'{jax.process_count()}; rerun with --config.restore_data_state=false to restart '
+                              f'the data stream')
+    state.pop('process_count', None)
+    return state
 
 
 @ocp.args.register_with_handler(DataStateHandler, for_save=True)

@@ -239,7 +239,7 @@ class Progress(Hook):
                'steps_per_second': (step - self.tick_step) / elapsed,
                'dropped_too_long': self.run.train_iter.batching.dropped}
     self.log.scalars(step, metrics, 'train')
-    self.log.step_losses(step, losses)
+    self.log.step_losses(step, losses, self.run.train_iter.row_hashes(step - len(losses) + 1, step))
     evaluations_left = loop.num_train_steps // loop.eval_every_steps - step // loop.eval_every_steps
     eta = ((loop.num_train_steps - step) / max(metrics['steps_per_second'], 1e-9)
            + evaluations_left * (np.mean([s for s, _ in self.evaluations]) if self.evaluations else 0.0))

@@ -1,25 +1,26 @@
-"""The pipeline's last stage: length-bucketed training batches (§5.1) from the token table, with tf.data.
+"""The pipeline's last stage: the run's one global stream of length-bucketed training batches (§5.1), the
+same whatever number of processes reads it.
 
-The stages: parallel_text.py (text pairs) -> token_table.py (SentencePiece ids in memory) -> this module.
+The stages: parallel_text.py (text pairs) -> token_table.py (SentencePiece ids) -> token_cache.py (the
+training split's ids, built once) -> this module.
 
-Training, on one process or many. Each data shard (the processes that feed the same rows of the global
-batch; one per host on a data-parallel mesh) tokenises its 1/shards of the split once into an in-memory
-table. The shards' joint (source, target) length histograms are summed, and from that global histogram
-every process computes the same `bucketing.Batching`: boundaries, shapes (`config.bucket_shapes`:
-'pairs' or 'longer_side'), global batch sizes within `config.tokens_per_batch` and draw weights. The
-shape of step t is drawn from one seeded sequence shared by every process (`tf.random.stateless_uniform`
-at (seed, t), weighted by each shape's batches per epoch), and each shard fills it from its own rows of
-that shape, reshuffled every epoch by `tf.random.experimental.index_shuffle`
-(`tf.data.Dataset.choose_from_datasets` over one stream per shape). So at every step every process
-builds a batch of the same shape, and the global batch is one array of one compiled program.
+Every process reads the whole table from the cache and computes the same `bucketing.Batching` from its length
+histogram (boundaries, shapes — `config.bucket_shapes` 'pairs' or 'longer_side' —, global batch sizes within
+`config.tokens_per_batch`, multiples of data-parallel × accumulation, and draw weights), without an exchange.
+The global batch of step t is a function of (seed, t, table):
+  - its shape k, drawn by a counter-based hash of (seed, t), each shape weighted by its batches per epoch;
+  - its rows, the next B_k places of shape k's endless stream: epoch e of that stream is a permutation of the
+    shape's rows seeded by (seed, k, e), and the stream's position is the number of earlier steps that drew
+    k (replayed from the draws of steps 0..t-1: milliseconds for a million steps).
+Each process gathers only the rows its devices hold (the data-parallel blocks of partitioning.DataShard).
 
 Why this and not packing to one fixed shape: it keeps the paper's batches (§5.1: sentence pairs batched
 by approximate length, no sentence split or concatenated) and the model's plain padding masks, at the
 cost of a few compiled shapes; packing would need segment-aware attention masks and positions.
 
-The iterator's state is a handful of integers (the step and each shape's batch position), saved per
-process with each checkpoint; resume is exact. `tokens_per_batch` is the global batch (the paper's
-~25,000 source and ~25,000 target tokens), split across shards and devices.
+The data state saved with a checkpoint is {step, seed, batching fingerprint, multiple}: a run resumes exactly
+on any number of processes, and on a mesh of another data-parallel size that divides the saved batch sizes
+(the global batch is kept; each device's share changes).
 
 Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py (commands/inspect_batches.py)
 """
@@ -28,165 +29,213 @@ if __name__ == '__main__':  # the inspection program, before anything imports Te
   from flax_transformer.commands.inspect_batches import console
   console()
 
+import collections  # noqa: E402
+import hashlib  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-from flax_transformer import bucketing, cluster  # noqa: E402
+from flax_transformer import bucketing, cluster, token_cache  # noqa: E402
+from flax_transformer.constants import PAD_ID  # noqa: E402
 from flax_transformer.parallel_text import DataError, DataSettings  # noqa: E402
-from flax_transformer.errors import UserError  # noqa: E402
-from flax_transformer.token_table import TokenTable, train_table  # noqa: E402
+from flax_transformer.token_table import Side, TokenTable  # noqa: E402
+
+HASHES_KEPT = 100_000  # the last steps whose global-batch hashes the iterator remembers, for the metrics log
 
 
+# --- The global stream -----------------------------------------------------------------------
 
-# --- Training batches ------------------------------------------------------------------------
-
-def _schedule_seed(seed: int, stream: int) -> int:
-  """The stateless seed of one random stream of a run: 0 draws the shapes, k + 1 shuffles shape k."""
-  return (int(seed) % 2 ** 31) * 2 ** 16 + stream
-
-
-def initial_state(batching: bucketing.Batching, shard: tuple[int, int], seed: int) -> dict:
-  """The data state of a fresh stream: step 0, every shape at its first batch."""
-  return {'step': 0, 'positions': [0] * len(batching.batch_sizes), 'seed': int(seed), 'shard': list(shard),
-          'batching': batching.fingerprint()}
+def _mix(keys: np.ndarray) -> np.ndarray:
+  """SplitMix64's finaliser: uint64 keys -> well-spread uint64 values (wrapping arithmetic)."""
+  x = keys.astype(np.uint64)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return x ^ (x >> np.uint64(31))
 
 
-def _shape_stream(sources: tf.RaggedTensor, targets: tf.RaggedTensor, rows: np.ndarray,
-                  shape: int, batching: bucketing.Batching, shard_count: int, seed: int, start: int,
-                  repeat: bool) -> tf.data.Dataset:
-  """This shard's batches of one shape: its rows in a fresh random order every epoch, `batch` at a time."""
-  batch = batching.batch_sizes[shape] // shard_count
-  source_length, target_length = batching.source_lengths[shape], batching.target_lengths[shape]
-  n = len(rows)
-  rows = tf.constant(rows, tf.int64)
-  shuffle_seed = _schedule_seed(seed, shape + 1)
+def step_shapes(seed: int, steps: np.ndarray, thresholds) -> np.ndarray:
+  """The batch shape of each step in `steps`: shape k for a draw u in [thresholds[k-1], thresholds[k])."""
+  thresholds = np.asarray(thresholds, np.uint64)
+  keys = _mix(np.full(len(steps), int(seed) % 2 ** 63, np.uint64)) + np.asarray(steps, np.uint64)
+  return np.searchsorted(thresholds, _mix(keys) % thresholds[-1], side='right')
 
-  def make(position):  # position: the batch's number in this shape's stream
-    element = position * batch + tf.range(batch, dtype=tf.int64)  # [batch] places in the endless stream
-    if n == 0:  # this shard holds no pair of this shape: a batch of padding (weight 0)
-      inputs = tf.zeros([batch, source_length], tf.int32)
-      outputs = tf.zeros([batch, target_length], tf.int32)
-    else:
-      epoch, place = element // n, element % n
-      seeds = tf.stack([tf.fill([batch], tf.constant(shuffle_seed, tf.int64)), epoch, tf.zeros_like(epoch)],
-                       axis=1)  # [batch, 3]: epoch e of this shape is permutation (seed, e)
-      # The raw op: the public wrapper mis-pads per-row seeds.
-      permuted = tf.raw_ops.RandomIndexShuffle(index=place, seed=seeds, max_index=tf.fill([batch], np.int64(n - 1)),
-                                               rounds=4)  # [batch]
-      picked = tf.gather(rows, permuted)
-      valid = tf.cast(element < n, tf.int32)[:, None] if not repeat else 1  # [batch, 1]: an epoch's last batch
-      inputs = tf.cast(tf.gather(sources, picked).to_tensor(shape=[batch, source_length]), tf.int32) * valid
-      outputs = tf.cast(tf.gather(targets, picked).to_tensor(shape=[batch, target_length]), tf.int32) * valid
-    return {'inputs': inputs, 'targets': outputs, 'shape': tf.constant(shape, tf.int64), 'position': position}
 
-  positions = tf.data.Dataset.counter(start) if repeat else tf.data.Dataset.range(-(-n // batch))
-  return positions.map(make, num_parallel_calls=tf.data.AUTOTUNE)
+def rows_by_shape(table: TokenTable, batching: bucketing.Batching) -> list[np.ndarray]:
+  """[shapes] the table rows of each batch shape, ascending."""
+  shapes = bucketing.shape_index(table.sources.lengths, table.targets.lengths, batching.boundaries, batching.mode)
+  order = np.argsort(shapes, kind='stable')
+  return np.split(order, np.searchsorted(shapes[order], np.arange(1, len(batching.batch_sizes))))
+
+
+class GlobalStream:
+  """The global batches of a run: which table rows step t holds, for any t, identical on every process."""
+
+  def __init__(self, table: TokenTable, batching: bucketing.Batching, seed: int):
+    self.table, self.batching, self.seed = table, batching, int(seed)
+    self.rows = rows_by_shape(table, batching)
+    self._permutations = {}  # (shape, epoch) -> [n] the order of that epoch, the last two epochs of a shape
+
+  def shapes(self, steps: np.ndarray) -> np.ndarray:
+    return step_shapes(self.seed, steps, self.batching.thresholds)
+
+  def positions(self, step: int) -> np.ndarray:
+    """[shapes] how many of steps 0 .. step-1 drew each shape: each shape's place in its stream at `step`."""
+    counts = np.zeros(len(self.rows), np.int64)
+    for first in range(0, step, 1 << 20):  # bounded memory for long runs
+      counts += np.bincount(self.shapes(np.arange(first, min(step, first + (1 << 20)))), minlength=len(self.rows))
+    return counts
+
+  def _permutation(self, shape: int, epoch: int) -> np.ndarray:
+    key = (shape, epoch)
+    if key not in self._permutations:
+      for old in [k for k in self._permutations if k[0] == shape and k[1] < epoch - 1]:
+        del self._permutations[old]
+      generator = np.random.Generator(np.random.Philox(key=[self.seed % 2 ** 64, (shape << 32) | epoch]))
+      self._permutations[key] = generator.permutation(len(self.rows[shape]))
+    return self._permutations[key]
+
+  def batch_rows(self, shape: int, position: int) -> np.ndarray:
+    """[B] the table rows of batch `position` of shape `shape`'s endless stream."""
+    size, rows = self.batching.batch_sizes[shape], self.rows[shape]
+    element = position * size + np.arange(size)  # [B] places in the endless stream
+    epoch, place = element // len(rows), element % len(rows)
+    picked = np.empty(size, np.int64)
+    for e in np.unique(epoch):
+      picked[epoch == e] = rows[self._permutation(shape, int(e))[place[epoch == e]]]
+    return picked
+
+
+def gather(side: Side, rows: np.ndarray, length: int, starts: np.ndarray) -> np.ndarray:
+  """Rows `rows` of a side as a [len(rows), length] int32 array, right-padded; row -1 is all padding."""
+  columns = np.arange(length)
+  lengths = np.where(rows >= 0, side.lengths[rows], 0)  # [R]
+  index = starts[rows][:, None] + columns  # [R, length]
+  inside = columns < lengths[:, None]
+  return np.where(inside, side.values[np.minimum(index, max(side.values.size - 1, 0))], PAD_ID).astype(np.int32)
+
+
+def batch_hash(rows: np.ndarray) -> str:
+  """A global batch's identity: its table rows, in order."""
+  return hashlib.blake2b(np.asarray(rows, '<i8').tobytes(), digest_size=8).hexdigest()
+
+
+def initial_state(batching: bucketing.Batching, seed: int, multiple: int) -> dict:
+  """The data state of a fresh stream."""
+  return {'step': 0, 'seed': int(seed), 'batching': batching.fingerprint(), 'multiple': int(multiple)}
 
 
 class TrainBatches:
-  """Iterator of one process's training batches {'inputs': [B, S], 'targets': [B, T]} int32 numpy.
+  """Iterator of one process's rows of the global training batches {'inputs': [b, S], 'targets': [b, T]} int32
+  numpy: the data-parallel blocks `blocks` of `data_parallel`, block by block (all of them on one process).
 
-  `state()` is the position after the last batch returned; `train_batches(..., state=that)` continues
-  exactly from there.
+  `state()` is the position after the last batch returned; `train_batches(..., state=that)` continues exactly
+  from there, on any number of processes.
   """
 
-  def __init__(self, dataset: tf.data.Dataset, state: dict, batching: bucketing.Batching):
-    self._iterator = iter(dataset)
-    self._state = {**state, 'positions': list(state['positions'])}
-    self.batching = batching
+  def __init__(self, stream: GlobalStream, state: dict, blocks: tuple[int, ...] = (0,), data_parallel: int = 1):
+    self.stream, self.batching, self.blocks, self.data_parallel = stream, stream.batching, blocks, data_parallel
+    self._state = dict(state)
+    self._positions = stream.positions(state['step'])
+    self._starts = [np.concatenate([[0], np.cumsum(side.lengths)])[:-1] for side in (stream.table.sources,
+                                                                                      stream.table.targets)]
+    self.hashes = collections.OrderedDict()  # step (1-based, as the loop counts) -> batch_hash of its global batch
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
-    batch = next(self._iterator)
-    self._state['step'] += 1
-    self._state['positions'][int(batch['shape'])] = int(batch['position']) + 1
-    return {'inputs': batch['inputs'].numpy(), 'targets': batch['targets'].numpy()}
+    step = self._state['step']
+    shape = int(self.stream.shapes(np.array([step]))[0])
+    rows = self.stream.batch_rows(shape, int(self._positions[shape]))
+    self._positions[shape] += 1
+    self._state['step'] = step + 1
+    self.hashes[step + 1] = batch_hash(rows)
+    if len(self.hashes) > HASHES_KEPT:
+      self.hashes.popitem(last=False)
+    local = rows.reshape(self.data_parallel, -1)[list(self.blocks)].ravel()  # this process's blocks, in order
+    b = self.batching
+    return {'inputs': gather(self.stream.table.sources, local, b.source_lengths[shape], self._starts[0]),
+            'targets': gather(self.stream.table.targets, local, b.target_lengths[shape], self._starts[1])}
 
   def state(self) -> dict:
-    return {**self._state, 'positions': list(self._state['positions'])}
+    return dict(self._state)
+
+  def row_hashes(self, first: int, last: int) -> list[str]:
+    """The global-batch hashes of steps first..last (1-based), those still remembered."""
+    return [self.hashes[s] for s in range(first, last + 1) if s in self.hashes]
 
 
-def train_batches(table: TokenTable, batching: bucketing.Batching, shard: tuple[int, int] = (0, 1), seed: int = 0,
-                  state: dict | None = None, repeat: bool = True) -> TrainBatches:
-  """This shard's training batches under `batching`: at step t the shape every shard draws, filled from `table`.
-
-  repeat=False gives one epoch of this shard (every pair once, the last batch of each shape padded with
-  empty rows) for inspection; its batch count depends on the shard, so only `repeat` runs on many processes.
-  """
-  state = state or initial_state(batching, shard, seed)
-  shapes = bucketing.shape_index(table.sources.lengths, table.targets.lengths, batching.boundaries, batching.mode)
-  order = np.argsort(shapes, kind='stable')
-  rows = np.split(order, np.searchsorted(shapes[order], np.arange(1, len(batching.batch_sizes))))
-  with tf.device('/CPU:0'):
-    sources, targets = table.sources.ragged(), table.targets.ragged()
-  streams = [_shape_stream(sources, targets, rows[k], k, batching, shard[1], state['seed'],
-                           state['positions'][k], repeat) for k in range(len(batching.batch_sizes))]
-  thresholds = tf.constant(batching.thresholds, tf.int64)
-  schedule_seed = _schedule_seed(state['seed'], 0)
-
-  def draw(step):  # the shape of `step`: the same on every process
-    u = tf.random.stateless_uniform([], tf.stack([tf.constant(schedule_seed, tf.int64), step]), minval=0,
-                                    maxval=thresholds[-1], dtype=tf.int64)
-    return tf.searchsorted(thresholds, u[None], side='right', out_type=tf.int64)[0]
-
-  if repeat:
-    dataset = tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.counter(state['step']).map(draw))
-  else:  # one epoch of this shard: the shapes mixed in proportion to their batches left
-    weights = [-(-len(r) // (size // shard[1])) for r, size in zip(rows, batching.batch_sizes)]
-    dataset = tf.data.Dataset.sample_from_datasets(streams, [w / sum(weights) for w in weights], seed=state['seed'],
-                                                   stop_on_empty_dataset=False)
-  options = tf.data.Options()
-  options.deterministic = True  # Same seed and state, same batch sequence (exact resume depends on it).
-  return TrainBatches(dataset.with_options(options).prefetch(tf.data.AUTOTUNE), state, batching)
+def train_batches(table: TokenTable, batching: bucketing.Batching, seed: int = 0, state: dict | None = None,
+                  blocks: tuple[int, ...] = (0,), data_parallel: int = 1) -> TrainBatches:
+  """The global stream of `batching` over `table` from `state` (default: step 0 of `seed`), as the rows of
+  data-parallel blocks `blocks` of `data_parallel`."""
+  state = state or initial_state(batching, seed, data_parallel)
+  return TrainBatches(GlobalStream(table, batching, state['seed']), state, tuple(blocks), data_parallel)
 
 
-def train_batching(data: DataSettings, histogram: np.ndarray, dropped: int, data_parallel_size: int = 1) -> bucketing.Batching:
-  """The batching of a global length histogram; global batch sizes are multiples of data-parallel × k."""
+def epoch_batches(table: TokenTable, batching: bucketing.Batching, seed: int = 0) -> list[dict]:
+  """One epoch, every pair once: each shape's first epoch in batches (its last one padded with empty rows),
+  the batches in a seeded order. For inspection; training repeats the stream."""
+  stream = GlobalStream(table, batching, seed)
+  starts = [np.concatenate([[0], np.cumsum(side.lengths)])[:-1] for side in (table.sources, table.targets)]
+  chunks = []
+  for shape, rows in enumerate(stream.rows):
+    ordered = rows[stream._permutation(shape, 0)] if len(rows) else rows
+    size = batching.batch_sizes[shape]
+    for first in range(0, len(ordered), size):
+      chunk = np.full(size, -1, np.int64)
+      chunk[:len(ordered[first:first + size])] = ordered[first:first + size]
+      chunks.append((shape, chunk))
+  order = np.random.default_rng(seed).permutation(len(chunks))
+  return [{'inputs': gather(table.sources, chunks[i][1], batching.source_lengths[chunks[i][0]], starts[0]),
+           'targets': gather(table.targets, chunks[i][1], batching.target_lengths[chunks[i][0]], starts[1])}
+          for i in order]
+
+
+def train_batching(data: DataSettings, histogram: np.ndarray, dropped: int, multiple: int = 1) -> bucketing.Batching:
+  """The batching of a length histogram; global batch sizes are multiples of `multiple` (data-parallel × k)."""
   return bucketing.make_batching(histogram, dropped, data.num_bucket_boundaries, data.tokens_per_batch,
-                             data_parallel_size * data.gradient_accumulation_steps, data.bucket_shapes)
+                                 multiple, data.bucket_shapes)
 
 
-def _sum_over_shards(values: np.ndarray, shard: tuple[int, int]) -> np.ndarray:
-  """The sum of an int vector over the data shards (each counted once), identical on every process."""
-  if jax.process_count() == 1:
-    return values
-  from jax.experimental import multihost_utils
-  gathered = np.asarray(multihost_utils.process_allgather(np.concatenate([[shard[0]], values]).astype(np.int32)))
-  _, first = np.unique(gathered[:, 0], return_index=True)
-  if len(first) != shard[1]:
-    raise DataError(f'the processes report {len(first)} data shards, expected {shard[1]}')
-  return gathered[first, 1:].astype(np.int64).sum(0)
+def _resumed_batching(data: DataSettings, table: TokenTable, state: dict, multiple: int) -> bucketing.Batching:
+  """The batching a saved data state was made with, if this run can continue it; else a one-line DataError."""
+  fix = 'or rerun with --config.restore_data_state=false to restart the data stream'
+  if 'positions' in state or 'multiple' not in state:
+    raise DataError(f'the saved data state is of the per-process stream of earlier versions; {fix}')
+  batching = train_batching(data, table.histogram(data.max_train_length), table.dropped, int(state['multiple']))
+  if batching.fingerprint() != state['batching']:
+    raise DataError(f'the saved data state belongs to another batching (other data, vocabulary, max_train_length, '
+                    f'tokens_per_batch, num_bucket_boundaries or bucket_shapes); restore those, {fix}')
+  if any(size % multiple for size in batching.batch_sizes):
+    raise DataError(f'the saved global batches hold multiples of {state["multiple"]} rows, which this mesh '
+                    f'cannot split into data-parallel x accumulation = {multiple} equal parts; use a mesh whose '
+                    f'data x fsdp size times config.gradient_accumulation_steps divides {state["multiple"]}, {fix}')
+  return batching
 
 
-def process_train_batches(data: DataSettings, vocab_path: str, shard: tuple[int, int], data_parallel_size: int,
-                          seed: int, state: dict | None = None) -> TrainBatches:
-  """This process's training batches in a run of any number of processes (collective: call on all)."""
-  table, error = None, None
+def process_train_batches(data: DataSettings, vocab_path: str, workdir, blocks: tuple[int, ...],
+                          data_parallel: int, seed: int, state: dict | None = None) -> TrainBatches:
+  """This process's rows (data-parallel blocks `blocks` of `data_parallel`) of the run's global stream, from
+  the token cache (built first where missing; collective: call on every process)."""
+  error, table = None, None
   try:
-    table = train_table(data, vocab_path, shard)
-  except UserError as raised:  # a shard without usable data, a file only this process cannot read...
+    table = token_cache.train_table(data, vocab_path, workdir, (jax.process_index(), jax.process_count()))
+  except DataError as raised:
     error = raised
-  cluster.agree('training data', error)  # every process stops on it, before the collective below
-  size = data.max_train_length + 1
-  totals = _sum_over_shards(np.concatenate([[table.dropped], table.histogram(data.max_train_length).ravel()]), shard)
-  batching = train_batching(data, totals[1:].reshape(size, size), int(totals[0]), data_parallel_size)
-  if jax.process_count() > 1:  # every process must hold the same batching, or the batch shapes differ
-    from jax.experimental import multihost_utils
-    fingerprint = np.frombuffer(bytes.fromhex(batching.fingerprint()), np.int32)
-    if not (np.asarray(multihost_utils.process_allgather(fingerprint)) == fingerprint).all():
-      raise DataError('the processes computed different batchings; run every process with the same config, '
-                      'data and vocabulary')
-  saved = None if state is None else state.get('batching', state.get('plan'))  # 'plan': its name in older checkpoints
-  if state is not None and (state.get('shard') != list(shard) or saved != batching.fingerprint()):
-    raise DataError(f'the saved data-iterator state belongs to data shard {state.get("shard")} of another batch batching '
-                    f'or mesh (this process: shard {list(shard)}); rerun with --config.restore_data_state=false '
-                    f'to restart the data stream')
-  return train_batches(table, batching, shard, seed, state)
+  cluster.agree('training data', error)
+  multiple = data_parallel * data.gradient_accumulation_steps
+  if state is None:
+    batching = train_batching(data, table.histogram(data.max_train_length), table.dropped, multiple)
+    state = initial_state(batching, seed, multiple)
+  else:
+    batching = _resumed_batching(data, table, state, multiple)
+  prints = cluster.agree('batching', value=batching.fingerprint())
+  if len(set(prints)) > 1:  # every process must hold the same batching, or the batch shapes differ
+    raise DataError('the processes computed different batchings; run every process with the same config, '
+                    'data and vocabulary')
+  return TrainBatches(GlobalStream(table, batching, state['seed']), state, tuple(blocks), data_parallel)
 
 
 # --- Inspection ------------------------------------------------------------------------------
@@ -196,15 +245,15 @@ def _fill(batches) -> tuple[int, int]:
   return real, sum(b['inputs'].size + b['targets'].size for b in batches)
 
 
-def inspect(data: DataSettings, vocab_path: str) -> dict:
-  """One epoch of training batches (no repeat) on one process: counts, shapes, budget, table-build and
-  batch-serving throughput; then the fill of the repeated stream over as many batches."""
+def inspect(data: DataSettings, vocab_path: str, workdir) -> dict:
+  """One epoch of training batches on one process: counts, shapes, budget, token-cache and batch-serving
+  throughput; then the fill of the repeated stream over as many batches."""
   start = time.perf_counter()
-  table = train_table(data, vocab_path)
+  table = token_cache.train_table(data, vocab_path, workdir)
   table_seconds = time.perf_counter() - start
   batching = train_batching(data, table.histogram(data.max_train_length), table.dropped)
   start = time.perf_counter()
-  epoch = list(train_batches(table, batching, repeat=False, seed=data.seed))
+  epoch = epoch_batches(table, batching, seed=data.seed)
   seconds = time.perf_counter() - start
   shapes = sorted({(b['inputs'].shape[0], b['inputs'].shape[1], b['targets'].shape[1]) for b in epoch})
   tokens = [int((b['targets'] > 0).sum()) for b in epoch]
@@ -221,4 +270,3 @@ def inspect(data: DataSettings, vocab_path: str) -> dict:
           'dropped_too_long': batching.dropped,
           'table_tokens_per_second': round(table_tokens / table_seconds, 1),
           'tokens_per_second': round(sum(tokens) / seconds, 1)}
-

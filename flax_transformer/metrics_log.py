@@ -36,10 +36,12 @@ class MetricsLog:
       self.file.flush()
     storage.within(self.timeout, f'writing the metrics of step {step} to {self.where}', write)
 
-  def step_losses(self, step: int, losses) -> None:
-    """Every step's loss, exactly (json floats round-trip), for resume checks and plots."""
+  def step_losses(self, step: int, losses, batches: list[str]) -> None:
+    """Every step's loss, exactly (json floats round-trip), and its global batch's hash (input_pipeline.batch_hash),
+    for resume checks and plots: the steps up to `step`."""
     if self.is_chief:
-      self.file.write(json.dumps({'step': step, 'split': 'train_steps', 'losses': [float(x) for x in losses]}) + '\n')
+      self.file.write(json.dumps({'step': step, 'split': 'train_steps', 'losses': [float(x) for x in losses],
+                                  'batches': batches}) + '\n')
 
   def say(self, text: str) -> None:
     if self.is_chief:

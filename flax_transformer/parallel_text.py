@@ -1,8 +1,7 @@
 """The pipeline's first stage: parallel text from files or tfds, as (source, target) pairs.
 
 Two sources behind one interface: a tfds dataset (`config.dataset='wmt14_translate/de-en'`) or plain/.gz
-text files, one sentence a line (`config.dataset='files'`). Each process reads only its shard: files are
-streamed line by line and other shards' lines skipped as read; tfds reads `tfds.even_splits(split, n)[i]`.
+text files, one sentence a line (`config.dataset='files'`), streamed line by line from both files at once.
 Bad input (a missing or damaged file, files of different lengths, a line that is not UTF-8, an unprepared
 tfds dataset) is a one-line `DataError` naming the fix.
 """
@@ -45,6 +44,10 @@ class DataSettings:
   vocab_sample_sentences: int = setting('Sentences the vocabulary is trained on, drawn from the whole split.',
                                         minimum=1, before=4_000_000)
   max_train_length: int = setting('Training pairs with a longer side (tokens) are dropped and counted.', minimum=1)
+  token_cache: str = setting("Where the training split's token ids are cached (a folder or URL, shared between runs); "
+                             "'': WORKDIR/token_cache.", before='')
+  token_cache_block_pairs: int = setting('Sentence pairs a block of the token cache holds: the unit in which it is '
+                                         'built in parallel and resumed.', minimum=1, before=131_072)
   max_eval_length: int = setting('Longest validation sentence kept whole; longer ones are truncated.', minimum=1)
   tokens_per_batch: int = setting('Source (and target) tokens of a global training batch (§5.1: ~25,000).',
                                   minimum=1)
@@ -127,10 +130,8 @@ def _utf8(line: bytes, path: str, number: int) -> bytes:
   return line
 
 
-def parallel_lines(source_path: str, target_path: str, shard: tuple[int, int] = (0, 1)):
-  """(source, target) UTF-8 bytes of every count-th line pair from the index-th (shard = (index, count)),
-  read line by line from both files at once; the lines of other shards are skipped as they are read."""
-  index, count = shard
+def parallel_lines(source_path: str, target_path: str):
+  """(source, target) UTF-8 bytes of every line pair, read line by line from both files at once."""
   for path in (source_path, target_path):
     check_file(path)
   sources, targets, number = _raw_lines(source_path), _raw_lines(target_path), 0
@@ -140,8 +141,7 @@ def parallel_lines(source_path: str, target_path: str, shard: tuple[int, int] = 
       lengths = (number - 1, longer) if source is None else (longer, number - 1)
       raise DataError(f'{source_path} has {lengths[0]} lines but {target_path} has {lengths[1]}; '
                       f'parallel files must have one sentence per line, line for line')
-    if (number - 1) % count == index:
-      yield _utf8(source, source_path, number), _utf8(target, target_path, number)
+    yield _utf8(source, source_path, number), _utf8(target, target_path, number)
   if number == 0:
     raise DataError(f'{source_path} is empty; a corpus needs at least one sentence pair')
 
@@ -198,23 +198,15 @@ def _tfds_split(data: DataSettings, split: str) -> str:
   return {'train': data.train_split, 'eval': data.eval_split, 'test': data.test_split}[split]
 
 
-def text_pairs(data: DataSettings, split: str, shard: tuple[int, int] = (0, 1)):
-  """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file order.
-
-  shard = (index, count): this process's 1/count of the split, disjoint from the other shards and together
-  covering it. Text files: every count-th line pair from the index-th, streamed (other lines skipped as they
-  are read). tfds: the index-th of `count` even sub-splits (tfds.even_splits), the only examples decoded.
-  """
+def text_pairs(data: DataSettings, split: str):
+  """Iterator of (source, target) UTF-8 bytes of `split` ('train', 'eval' or 'test'), in file (or tfds) order."""
   if data.dataset == 'files':
-    yield from parallel_lines(*_split_paths(data, split), shard)
+    yield from parallel_lines(*_split_paths(data, split))
     return
-  import tensorflow_datasets as tfds
   builder = _tfds_builder(data)
-  index, count = shard
   name = _tfds_split(data, split)
   try:
-    dataset = builder.as_dataset(split=tfds.even_splits(name, n=count)[index] if count > 1 else name,
-                                 shuffle_files=False)
+    dataset = builder.as_dataset(split=name, shuffle_files=False)
   except (AssertionError, FileNotFoundError, tf.errors.NotFoundError):
     raise _not_prepared(data, builder) from None
   source_lang, target_lang = data.source_lang, data.target_lang

@@ -171,8 +171,7 @@ def _build(config_json: str, s: Settings, workdir, mesh, shard, is_chief, lock, 
   if origin and start_step == 0:  # a fine-tuning run's first start: the source's parameters, a fresh optimizer
     state = finetuning.initial_params(origin, state, state_shardings)
     print(f'parameters from {origin.workdir} step {origin.step}; optimizer and schedule start at step 0', flush=True)
-  train_iter = input_pipeline.process_train_batches(s.data, vocab_path, (shard.index, shard.count),
-                                                    partitioning.data_parallel_size(mesh),
+  train_iter = input_pipeline.process_train_batches(s.data, vocab_path, workdir, shard.blocks, shard.data_parallel,
                                                     data_seed(s.loop.seed, start_step), data_state)
   if is_chief:
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))

@@ -2,8 +2,9 @@
 
 Tokenised with tf.data in batches, each batch filtered (pairs too long for `config.max_train_length` dropped
 and counted, or cut with `truncate`) and narrowed to uint16 where the vocabulary allows, so a table costs
-its final size while it is built. Training builds one table per data shard (`train_table`); evaluation
-reads the whole split on every process and pads it into fixed batches in file order (`eval_batches`).
+its final size while it is built. Training tokenises the split block by block into the token cache
+(token_cache.py); evaluation reads the whole split on every process and pads it into fixed batches in file
+order (`eval_batches`).
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ import tensorflow as tf
 
 from flax_transformer import bucketing, storage
 from flax_transformer.constants import PAD_ID
-from flax_transformer.parallel_text import DataError, DataSettings, text_pairs
+from flax_transformer.parallel_text import DataSettings, text_pairs
 from flax_transformer.errors import UserError
 
 
@@ -105,16 +106,6 @@ def token_table(pairs, vocab_path: str, max_length: int, truncate: bool = False)
     keep = np.arange(side.values.size) - np.repeat(starts, side.lengths) < max_length - 1  # first max_length-1 ids
     keep[np.cumsum(side.lengths) - 1] = True  # and the EOS
     side.values, side.lengths = side.values[keep], np.minimum(side.lengths, max_length)
-  return table
-
-
-def train_table(data: DataSettings, vocab_path: str, shard: tuple[int, int] = (0, 1)) -> TokenTable:
-  """One shard of the training split, tokenised; a shard with no usable pair is a one-line error."""
-  table = token_table(text_pairs(data, 'train', shard), vocab_path, data.max_train_length)
-  if not len(table):
-    raise DataError(f'training data shard {shard[0]} of {shard[1]} holds no sentence pair of at most '
-                    f'config.max_train_length={data.max_train_length} tokens ({table.dropped} longer ones dropped); '
-                    f'use a larger training split or fewer data shards, or raise config.max_train_length')
   return table
 
 

@@ -42,7 +42,7 @@ def check(workdir: str, s: 'settings.Settings') -> None:
 
 # What training writes into its workdir (beside the vocabulary when it trains one).
 WRITTEN = (CONFIG_FILENAME, checkpointing.CHECKPOINT_DIR, 'tensorboard', 'train_metrics.jsonl', 'translations',
-           'run.lock')
+           'run.lock', 'token_cache')
 
 
 def check_inputs(workdir, data: 'parallel_text.DataSettings', init_from: str = '') -> None:
@@ -56,6 +56,9 @@ def check_inputs(workdir, data: 'parallel_text.DataSettings', init_from: str = '
   for name in WRITTEN + (() if data.vocab_path else (tokenizer.VOCAB_FILENAME,)):
     written = storage.path(workdir) / name
     storage.check_output(f'{written}, which training writes,', written, reads, 'choose another --workdir')
+  if data.token_cache:
+    storage.check_output(f'config.token_cache={data.token_cache}', data.token_cache, reads,
+                         'give the token cache a folder of its own')
 
 
 def write_config(workdir: str, text: str) -> None:

@@ -35,7 +35,7 @@ def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
   model_config = settings.model_settings(config)
   import flax.linen as nn
   params = checkpointing.restore_params(source, 9, nn.meta.unbox(partitioning.abstract_params(model_config)))
-  batches = input_pipeline.process_train_batches(settings.resolve(config).data, str(workdir / tokenizer.VOCAB_FILENAME), (0, 1), 1,
+  batches = input_pipeline.process_train_batches(settings.resolve(config).data, str(workdir / tokenizer.VOCAB_FILENAME), workdir, (0,), 1,
                                                  data_seed(config.seed, 0), None)
   sums = steps.eval_step(params, next(iter(batches)), model_config=model_config,
                          label_smoothing=config.label_smoothing)

@@ -1,21 +1,36 @@
-"""Training batches and their batching: the tfds WMT14 path (mocked), text files, sharding, resumption."""
+"""Training batches and their batching: the tfds WMT14 path (mocked), text files, one global stream that every
+process layout reads its rows of, resumption on another layout."""
 
 import json
+import os
 
 import numpy as np
 import tensorflow as tf
 import pytest
 import tensorflow_datasets as tfds
 
-from flax_transformer import bucketing, input_pipeline, parallel_text, settings, token_table, tokenizer
+from flax_transformer import bucketing, input_pipeline, parallel_text, settings, token_cache, token_table, tokenizer
 from tests.helpers.corpus import write_corpus
 
 
+def _table(config, vocab_path):
+  data = settings.resolve(config).data
+  return token_cache.train_table(data, vocab_path, os.path.join(os.path.dirname(vocab_path), 'run'))
+
+
 def one_process_batches(config, vocab_path, data_parallel_size=1, **kwargs):
-  """The training batches of a one-process run: one shard, its own histogram."""
-  table = token_table.train_table(settings.resolve(config).data, vocab_path)
-  batching = input_pipeline.train_batching(settings.resolve(config).data, table.histogram(config.max_train_length), table.dropped, data_parallel_size)
+  """The training batches of a one-process run."""
+  table = _table(config, vocab_path)
+  batching = input_pipeline.train_batching(settings.resolve(config).data, table.histogram(config.max_train_length),
+                                           table.dropped, data_parallel_size)
   return input_pipeline.train_batches(table, batching, **kwargs)
+
+
+def one_epoch(config, vocab_path, data_parallel_size=1):
+  table = _table(config, vocab_path)
+  batching = input_pipeline.train_batching(settings.resolve(config).data, table.histogram(config.max_train_length),
+                                           table.dropped, data_parallel_size)
+  return batching, input_pipeline.epoch_batches(table, batching, seed=3)
 
 
 @pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
@@ -23,8 +38,7 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
   _, path = vocab
   files_config.max_train_length = 64  # keep everything
   files_config.bucket_shapes = mode
-  stream = one_process_batches(files_config, path, data_parallel_size=4, repeat=False)
-  batches = list(stream)
+  batching, batches = one_epoch(files_config, path, data_parallel_size=4)
   processor = tokenizer.load(path)
   seen = []
   for batch in batches:
@@ -36,9 +50,9 @@ def test_epoch_has_every_example_once_within_budget(files_config, vocab, mode):
         seen.append((tokenizer.decode_ids(processor, source), tokenizer.decode_ids(processor, target)))
   expected = list(parallel_text.python_pairs(settings.resolve(files_config).data))
   assert len(seen) == len(expected) and sorted(seen) == sorted(expected)  # nothing lost, nothing duplicated
-  assert stream.batching.dropped == 0
+  assert batching.dropped == 0
   shapes = {(b['inputs'].shape, b['targets'].shape) for b in batches}
-  boundaries = stream.batching.boundaries
+  boundaries = batching.boundaries
   if mode == 'pairs':
     assert len(shapes) <= 3 * len(boundaries)
   else:
@@ -58,13 +72,12 @@ def test_unknown_bucket_shapes_is_a_one_line_error(files_config, vocab):
 def test_too_long_pairs_are_dropped_and_counted(files_config, vocab):
   _, path = vocab
   files_config.max_train_length = 6
-  stream = one_process_batches(files_config, path, repeat=False)
-  batches = list(stream)
+  batching, batches = one_epoch(files_config, path)
   kept = sum(int(b['targets'].any(1).sum()) for b in batches)
   processor = tokenizer.load(path)
   too_long = sum(1 for s, t in parallel_text.python_pairs(settings.resolve(files_config).data)
                  if max(len(processor.encode(s)), len(processor.encode(t))) + 1 > 6)
-  assert stream.batching.dropped == too_long > 0
+  assert batching.dropped == too_long > 0
   assert kept == 300 - too_long
   assert all(b['inputs'].shape[1] <= 6 and b['targets'].shape[1] <= 6 for b in batches)
 
@@ -89,30 +102,37 @@ def test_wmt14_through_tfds(tiny_config, tmp_path):
   assert eval_rows == 40
 
 
-def _shard_streams(config, path, shards, data_parallel_size):
-  """What each of `shards` processes builds: its own table, the summed histogram, one batching each."""
-  tables = [token_table.train_table(settings.resolve(config).data, path, (i, shards)) for i in range(shards)]
-  histogram = sum(t.histogram(config.max_train_length) for t in tables)
-  plans = [input_pipeline.train_batching(settings.resolve(config).data, histogram, sum(t.dropped for t in tables), data_parallel_size)
-           for _ in tables]
-  return tables, [input_pipeline.train_batches(t, p, (i, shards), seed=5) for i, (t, p) in enumerate(zip(tables, plans))]
+def _layouts_batches(table, batching, steps, state=None):
+  """What each process of three layouts of 8 data-parallel blocks reads at `steps` steps: {layout: [steps of
+  the per-block rows, reassembled into the global batch]}."""
+  layouts = {'1 process': [tuple(range(8))], '2 processes': [(0, 1, 2, 3), (4, 5, 6, 7)],
+             '4 processes, interleaved': [(0, 4), (1, 5), (2, 6), (3, 7)]}
+  out = {}
+  for name, processes in layouts.items():
+    streams = [input_pipeline.train_batches(table, batching, seed=5, state=state, blocks=blocks, data_parallel=8)
+               for blocks in processes]
+    out[name] = []
+    for _ in range(steps):
+      held = {}
+      for blocks, stream in zip(processes, streams):
+        batch = next(stream)
+        rows = batch['inputs'].shape[0] // len(blocks)
+        for i, block in enumerate(blocks):
+          held[block] = {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()}
+      out[name].append({k: np.concatenate([held[b][k] for b in range(8)]) for k in ('inputs', 'targets')})
+  return out, streams[0]
 
 
 def _wmt_from(sources: list[str], targets: list[str]):
-  """A tfds `_as_dataset` serving these pairs as wmt14_translate/de-en's split, and each of
-  tfds.even_splits' sub-splits as its contiguous part (as tfds does; tfds' own mock serves every sub-split
-  whole)."""
+  """A tfds `_as_dataset` serving these pairs as wmt14_translate/de-en's split."""
   def as_dataset(self, split, decoders=None, read_config=None, **kwargs):
-    rows = np.arange(len(sources))
-    if not isinstance(split, str):
-      rows = np.array_split(rows, split.count)[split.index]
-    return tf.data.Dataset.from_tensor_slices({'en': [sources[i] for i in rows], 'de': [targets[i] for i in rows]})
+    return tf.data.Dataset.from_tensor_slices({'en': sources, 'de': targets})
   return as_dataset
 
 
 @pytest.mark.parametrize('source', ['files', 'tfds'])
 @pytest.mark.parametrize('mode', ['pairs', 'longer_side'])
-def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path, source, mode):
+def test_every_process_layout_reads_its_rows_of_one_global_batch(files_config, tmp_path, source, mode):
   config = files_config
   config.bucket_shapes, config.num_bucket_boundaries, config.max_train_length = mode, 8, 64
   config.tokens_per_batch, config.gradient_accumulation_steps = 1024, 2
@@ -124,25 +144,27 @@ def test_every_shard_builds_the_same_shape_at_every_step(files_config, tmp_path,
     mock.__enter__()
   try:
     _, path = tokenizer.train_or_load(settings.resolve(config).data, str(tmp_path / source), lambda: parallel_text.python_pairs(settings.resolve(config).data))
-    whole = token_table.train_table(settings.resolve(config).data, path)
-    tables, streams = _shard_streams(config, path, 2, data_parallel_size=4)
-    steps = [[next(stream) for _ in range(60)] for stream in streams]
+    table = _table(config, path)
   finally:
     if source == 'tfds':
       mock.__exit__(None, None, None)
-  batching = streams[0].batching
+  batching = input_pipeline.train_batching(settings.resolve(config).data, table.histogram(64), table.dropped, 8 * 2)
+  layouts, _ = _layouts_batches(table, batching, 60)
   assert len(batching.boundaries) >= 8 and len(batching.used_shapes) >= 8
-  # The shards split the data: together they hold every pair of the split once.
-  assert sorted(np.concatenate([t.sources.lengths for t in tables])) == sorted(whole.sources.lengths)
-  assert abs(len(tables[0]) - len(tables[1])) <= 1
-  shapes = [[(b['inputs'].shape, b['targets'].shape) for b in shard] for shard in steps]
-  assert shapes[0] == shapes[1]  # the same shape at every step: one compiled program for the global batch
-  assert len(set(shapes[0])) >= 6  # and the steps move through the buckets
-  for batch in steps[0]:  # each shard builds its half of a global batch that is a multiple of 4 × 2
-    assert (2 * batch['inputs'].shape[0]) % 8 == 0
-    assert 2 * batch['inputs'].size <= config.tokens_per_batch and 2 * batch['targets'].size <= config.tokens_per_batch
-  real = [sum(int(b['targets'].any(1).sum()) for b in shard) for shard in steps]
-  assert min(real) > 0.7 * max(real)  # both shards contribute real rows, not padding
+  reference = layouts.pop('1 process')
+  for name, steps in layouts.items():  # the same global batch at every step, whoever reads which rows
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(reference, steps) for k in a), name
+  shapes = [(b['inputs'].shape, b['targets'].shape) for b in reference]
+  assert len(set(shapes)) >= 6  # the steps move through the buckets
+  for batch in reference:  # a multiple of 8 devices x 2 micro-batches, within the budget, real rows
+    assert batch['inputs'].shape[0] % 16 == 0
+    assert batch['inputs'].size <= config.tokens_per_batch and batch['targets'].size <= config.tokens_per_batch
+    assert batch['targets'].any(1).all()
+  # The pairs of the split, as the text says them (an independent reading of the files).
+  processor = tokenizer.load(path)
+  pairs = set(zip(*parallel_text.read_parallel_files(*paths)))
+  assert all((tokenizer.decode_ids(processor, s), tokenizer.decode_ids(processor, t)) in pairs
+             for s, t in zip(reference[0]['inputs'], reference[0]['targets']))
 
 
 def test_batching_weights_shapes_by_batches_per_epoch(files_config, vocab):
@@ -163,17 +185,39 @@ def test_batching_weights_shapes_by_batches_per_epoch(files_config, vocab):
   assert counts[expected == 0].sum() == 0
 
 
-def test_iterator_state_resumes_the_stream(files_config, vocab):
+def test_a_saved_state_resumes_the_stream_on_any_layout(files_config, vocab):
   _, path = vocab
-  stream = one_process_batches(files_config, path)
-  for _ in range(17):  # past the first epoch of some shapes
+  files_config.max_train_length, files_config.tokens_per_batch = 64, 1024
+  table = _table(files_config, path)
+  batching = input_pipeline.train_batching(settings.resolve(files_config).data, table.histogram(64), table.dropped, 8)
+  uninterrupted, _ = _layouts_batches(table, batching, 40)
+  stream = input_pipeline.train_batches(table, batching, seed=5, blocks=(0, 1, 2, 3), data_parallel=8)
+  for _ in range(30):  # past the first epoch of every shape
     next(stream)
   saved = json.loads(json.dumps(stream.state()))  # as the checkpoint stores it
-  expected = [next(stream) for _ in range(10)]
-  resumed_stream = one_process_batches(files_config, path, state=saved)
-  resumed = [next(resumed_stream) for _ in range(10)]
-  assert saved['step'] == 17 and sum(saved['positions']) == 17
-  assert all(np.array_equal(a[k], b[k]) for a, b in zip(expected, resumed) for k in ('inputs', 'targets'))
+  assert saved == {'step': 30, 'seed': 5, 'batching': batching.fingerprint(), 'multiple': 8}
+  resumed, last = _layouts_batches(table, batching, 10, state=saved)
+  expected = uninterrupted['1 process'][30:]
+  for name, steps in resumed.items():
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(expected, steps) for k in a), name
+  assert sorted(last.hashes) == list(range(31, 41))
+
+
+def test_a_mesh_of_another_data_parallel_size_keeps_the_global_batch(files_config, vocab):
+  _, path = vocab
+  table = _table(files_config, path)
+  data = settings.resolve(files_config).data
+  saved = input_pipeline.initial_state(input_pipeline.train_batching(data, table.histogram(12), table.dropped, 8), 5, 8)
+  batching = input_pipeline._resumed_batching(data, table, saved, 4)  # 8 devices -> 4
+  assert batching.fingerprint() == saved['batching'] and all(b % 8 == 0 for b in batching.batch_sizes)
+  with pytest.raises(parallel_text.DataError, match='hold multiples of 8 rows, which this mesh cannot split into '
+                                                    'data-parallel x accumulation = 3 equal parts'):
+    input_pipeline._resumed_batching(data, table, saved, 3)
+  with pytest.raises(parallel_text.DataError, match='per-process stream of earlier versions'):
+    input_pipeline._resumed_batching(data, table, {'step': 3, 'positions': [3], 'shard': [0, 1]}, 8)
+  other = settings.resolve(files_config).data.__class__(**{**data.__dict__, 'tokens_per_batch': 512})
+  with pytest.raises(parallel_text.DataError, match='belongs to another batching'):
+    input_pipeline._resumed_batching(other, table, saved, 8)
 
 
 def test_a_global_batch_too_small_for_the_devices_is_a_one_line_error(files_config, vocab):

@@ -2,7 +2,7 @@
 
 One epoch of length-bucketed batches on one process: counts, shapes, tokens per batch, padding, and the
 table-build and batch-serving throughput, printed as one JSON line. The vocabulary is trained into --workdir
-(or found there, or at config.vocab_path). Installed as `flax-transformer-inspect`.
+(or found there, or at config.vocab_path), the token cache built there (or at config.token_cache). Installed as `flax-transformer-inspect`.
 """
 
 import json
@@ -22,7 +22,7 @@ def inspect(f) -> None:
   from flax_transformer import input_pipeline, parallel_text, settings, tokenizer
   data = settings.resolve(f.config).data
   _, vocab_path = tokenizer.train_or_load(data, f.workdir, lambda: parallel_text.python_pairs(data))
-  print(json.dumps(input_pipeline.inspect(data, vocab_path)))
+  print(json.dumps(input_pipeline.inspect(data, vocab_path, f.workdir)))
 
 
 def main(argv: list[str]) -> int:
