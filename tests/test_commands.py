@@ -51,7 +51,7 @@ def test_help_prints_the_programs_doc_and_flags():
 
 
 @pytest.mark.parametrize('module,program', [('average', 'average'), ('export', 'export'), ('plan', 'plan'),
-                                            ('input_pipeline', 'inspect_batches')])
+                                            ('input_pipeline', 'inspect_batches'), ('prepare', 'prepare')])
 def test_python_dash_m_hands_over_to_the_program_before_anything_else_is_imported(module, program):
   """`python -m flax_transformer.<module>` runs commands/<program>.py's console, from the first statement after
   the docstring (the plan must set the device count before JAX starts)."""
