@@ -37,9 +37,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flax_transformer import bucketing, cluster, token_cache  # noqa: E402
-from flax_transformer.constants import PAD_ID  # noqa: E402
 from flax_transformer.parallel_text import DataError, DataSettings  # noqa: E402
-from flax_transformer.token_table import Side, TokenTable  # noqa: E402
+from flax_transformer.token_table import TokenTable  # noqa: E402
 
 HASHES_KEPT = 100_000  # the last steps whose global-batch hashes the iterator remembers, for the metrics log
 
@@ -106,15 +105,6 @@ class GlobalStream:
     return picked
 
 
-def gather(side: Side, rows: np.ndarray, length: int, starts: np.ndarray) -> np.ndarray:
-  """Rows `rows` of a side as a [len(rows), length] int32 array, right-padded; row -1 is all padding."""
-  columns = np.arange(length)
-  lengths = np.where(rows >= 0, side.lengths[rows], 0)  # [R]
-  index = starts[rows][:, None] + columns  # [R, length]
-  inside = columns < lengths[:, None]
-  return np.where(inside, side.values[np.minimum(index, max(side.values.size - 1, 0))], PAD_ID).astype(np.int32)
-
-
 def batch_hash(rows: np.ndarray) -> str:
   """A global batch's identity: its table rows, in order."""
   return hashlib.blake2b(np.asarray(rows, '<i8').tobytes(), digest_size=8).hexdigest()
@@ -137,8 +127,7 @@ class TrainBatches:
     self.stream, self.batching, self.blocks, self.data_parallel = stream, stream.batching, blocks, data_parallel
     self._state = dict(state)
     self._positions = stream.positions(state['step'])
-    self._starts = [np.concatenate([[0], np.cumsum(side.lengths)])[:-1] for side in (stream.table.sources,
-                                                                                      stream.table.targets)]
+    self._starts = [stream.table.sources.starts(), stream.table.targets.starts()]
     self.hashes = collections.OrderedDict()  # step (1-based, as the loop counts) -> batch_hash of its global batch
 
   def __iter__(self):
@@ -155,8 +144,8 @@ class TrainBatches:
       self.hashes.popitem(last=False)
     local = rows.reshape(self.data_parallel, -1)[list(self.blocks)].ravel()  # this process's blocks, in order
     b = self.batching
-    return {'inputs': gather(self.stream.table.sources, local, b.source_lengths[shape], self._starts[0]),
-            'targets': gather(self.stream.table.targets, local, b.target_lengths[shape], self._starts[1])}
+    return {'inputs': self.stream.table.sources.padded(local, b.source_lengths[shape], self._starts[0]),
+            'targets': self.stream.table.targets.padded(local, b.target_lengths[shape], self._starts[1])}
 
   def state(self) -> dict:
     return dict(self._state)
@@ -178,7 +167,7 @@ def epoch_batches(table: TokenTable, batching: bucketing.Batching, seed: int = 0
   """One epoch, every pair once: each shape's first epoch in batches (its last one padded with empty rows),
   the batches in a seeded order. For inspection; training repeats the stream."""
   stream = GlobalStream(table, batching, seed)
-  starts = [np.concatenate([[0], np.cumsum(side.lengths)])[:-1] for side in (table.sources, table.targets)]
+  starts = [table.sources.starts(), table.targets.starts()]
   chunks = []
   for shape, rows in enumerate(stream.rows):
     ordered = rows[stream._permutation(shape, 0)] if len(rows) else rows
@@ -188,8 +177,8 @@ def epoch_batches(table: TokenTable, batching: bucketing.Batching, seed: int = 0
       chunk[:len(ordered[first:first + size])] = ordered[first:first + size]
       chunks.append((shape, chunk))
   order = np.random.default_rng(seed).permutation(len(chunks))
-  return [{'inputs': gather(table.sources, chunks[i][1], batching.source_lengths[chunks[i][0]], starts[0]),
-           'targets': gather(table.targets, chunks[i][1], batching.target_lengths[chunks[i][0]], starts[1])}
+  return [{'inputs': table.sources.padded(chunks[i][1], batching.source_lengths[chunks[i][0]], starts[0]),
+           'targets': table.targets.padded(chunks[i][1], batching.target_lengths[chunks[i][0]], starts[1])}
           for i in order]
 
 

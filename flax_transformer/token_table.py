@@ -53,21 +53,25 @@ class Side:
   def select(self, keep: np.ndarray) -> 'Side':
     return Side(self.values[np.repeat(keep, self.lengths)], self.lengths[keep])
 
-  def ragged(self) -> tf.RaggedTensor:  # [rows, None]
-    return tf.RaggedTensor.from_row_lengths(self.values, self.lengths)
+  def starts(self) -> np.ndarray:
+    """[rows] where each row begins in `values`."""
+    return np.concatenate([[0], np.cumsum(self.lengths)])[:-1]
 
-  def padded(self, rows: np.ndarray, length: int) -> np.ndarray:
-    """Rows `rows` as a [len(rows), length] int32 array, right-padded with PAD_ID."""
-    starts = np.concatenate([[0], np.cumsum(self.lengths)])
-    out = np.full((len(rows), length), PAD_ID, np.int32)
-    for row, i in enumerate(rows):
-      out[row, :self.lengths[i]] = self.values[starts[i]:starts[i + 1]]
-    return out
+  def padded(self, rows: np.ndarray, length: int, starts: np.ndarray | None = None) -> np.ndarray:
+    """Rows `rows` as a [len(rows), length] int32 array, right-padded with PAD_ID; row -1 is all padding.
+    `starts` is self.starts(), for a caller that pads many batches of one table."""
+    starts = self.starts() if starts is None else starts
+    rows = np.asarray(rows, np.int64)
+    columns = np.arange(length)
+    lengths = np.where(rows >= 0, self.lengths[rows], 0)  # [R]
+    index = starts[rows][:, None] + columns  # [R, length]
+    inside = columns < lengths[:, None]
+    return np.where(inside, self.values[np.minimum(index, max(self.values.size - 1, 0))], PAD_ID).astype(np.int32)
 
 
 @dataclasses.dataclass
 class TokenTable:
-  """Sentence pairs as ids (EOS included), held in memory: one shard of a split."""
+  """Sentence pairs as ids (EOS included), held in memory."""
   sources: Side
   targets: Side
   dropped: int = 0  # pairs over the length limit on either side, left out
