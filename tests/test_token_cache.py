@@ -92,7 +92,7 @@ def test_a_damaged_block_is_rebuilt_never_read(data, vocab, tmp_path, tokenised)
   data_bytes = bytearray(flipped.read_bytes())
   data_bytes[-3] ^= 0xFF  # a token id changed, the size the same
   flipped.write_bytes(bytes(data_bytes))
-  (directory / 'block-00004.json').unlink()  # an unfinished block
+  (directory / 'block-00004.npz').unlink()  # a lost block
   del tokenised[:]
   table = token_cache.train_table(data, vocab[1], tmp_path)
   lines = parallel_text.read_lines(data.train_source)
@@ -126,3 +126,38 @@ def test_a_split_without_a_pair_that_fits_is_a_one_line_error(data, vocab, tmp_p
     token_cache.train_table(short, vocab[1], tmp_path)
   assert 'holds no sentence pair of at most config.max_train_length=1 tokens (300' in str(error.value)
   assert '\n' not in str(error.value)
+
+
+def test_a_complete_cache_reads_each_block_once(data, vocab, tmp_path, monkeypatch):
+  token_cache.train_table(data, vocab[1], tmp_path)
+  read, original = [], token_cache.read_block
+
+  def counting(directory, block, *args):
+    read.append(block)
+    return original(directory, block, *args)
+  monkeypatch.setattr(token_cache, 'read_block', counting)
+  table = token_cache.train_table(data, vocab[1], tmp_path)
+  assert read == [0, 1, 2, 3, 4] and _equal(table, _reference(data, vocab[1]))
+
+
+def test_a_cache_beside_another_says_what_differs(data, vocab, tmp_path, capsys):
+  token_cache.train_table(data, vocab[1], tmp_path)
+  shorter = data.__class__(**{**data.__dict__, 'max_train_length': 9})
+  token_cache.train_table(shorter, vocab[1], tmp_path)
+  line = [l for l in capsys.readouterr().out.splitlines() if 'building' in l]
+  assert len(line) == 1 and 'max_train_length 10 there, 9 here' in line[0]
+
+
+def test_a_shared_cache_that_cannot_be_written_names_the_difference(data, vocab, tmp_path, monkeypatch):
+  shared = data.__class__(**{**data.__dict__, 'token_cache': str(tmp_path / 'shared')})
+  token_cache.train_table(shared, vocab[1], tmp_path / 'a')
+
+  def read_only(directory, what, fix):  # as storage.check_writable answers for a folder it cannot write
+    raise storage.StorageError(f'{what} {directory} cannot be written (PermissionError: denied); {fix}')
+  monkeypatch.setattr(storage, 'check_writable', read_only)
+  token_cache.train_table(shared, vocab[1], tmp_path / 'a')  # the same data: read, never written
+  other = shared.__class__(**{**shared.__dict__, 'max_train_length': 9})
+  with pytest.raises(storage.StorageError) as error:
+    token_cache.train_table(other, vocab[1], tmp_path / 'b')
+  message = str(error.value)
+  assert 'cannot be written' in message and 'max_train_length 10 there, 9 here' in message and '\n' not in message
