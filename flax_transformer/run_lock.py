@@ -40,18 +40,22 @@ class RunLock:
     self.record = {'host': socket.gethostname(), 'pid': os.getpid(),
                    'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
     self._released = threading.Event()
+    self._refresher = None
 
   def _text(self) -> str:
     return json.dumps({**self.record, 'refreshed': time.time()})
 
   def _held(self) -> dict | None:
-    """The lock's record, None if it is gone; an unreadable one counts as refreshed when last written."""
-    try:
-      return json.loads(self.path.read_text())
-    except FileNotFoundError:
-      return None
-    except (ValueError, OSError):
-      return {'host': '?', 'pid': -1, 'started': '?', 'refreshed': self.path.stat().mtime}
+    """The lock's record, None if it is gone; one still unreadable after a few reads (a writer that does not
+    write atomically) counts as refreshed when last written."""
+    for attempt in range(3):
+      try:
+        return json.loads(self.path.read_text())
+      except FileNotFoundError:
+        return None
+      except (ValueError, OSError):
+        time.sleep(0.1 * (attempt + 1))
+    return {'host': '?', 'pid': -1, 'started': '?', 'refreshed': self.path.stat().mtime}
 
   def _take_over(self, held: dict, why: str) -> None:
     print(f'taking over the lock of workdir {self.path.parent}: its run (host {held["host"]}, pid {held["pid"]}, '
@@ -85,19 +89,22 @@ class RunLock:
                 f'{self.stale_seconds:.0f} s without a refresh)', file=sys.stderr, flush=True)
         waited_for = held['refreshed']
         time.sleep(min(self.refresh_seconds, max(self.stale_seconds - age, 0)) + 1)
-    threading.Thread(target=self._refresh, name='run-lock', daemon=True).start()
+    self._refresher = threading.Thread(target=self._refresh, name='run-lock', daemon=True)
+    self._refresher.start()
     return self
 
   def _refresh(self) -> None:
     while not self._released.wait(self.refresh_seconds):
       try:
-        self.path.write_text(self._text())
+        storage.write_atomic(self.path, self._text())  # a reader sees the old record or the new, never a part
       except Exception:  # a storage hiccup: the next refresh tries again
         pass
 
   def release(self) -> None:
     """Removes the lock if it is still this run's."""
     self._released.set()
+    if self._refresher is not None:  # a refresh in flight would write the lock back after it is removed
+      self._refresher.join(timeout=self.refresh_seconds + 60)
     held = self._held()
     if held and held.get('pid') == self.record['pid'] and held.get('host') == self.record['host']:
       self.path.unlink()

@@ -204,7 +204,7 @@ def write_atomic(location, data: bytes | str) -> None:
   if is_url(location):
     location.write_bytes(data)
     return
-  temporary = location.parent / f'.{location.name}.tmp.{os.getpid()}'
+  temporary = location.parent / f'.{location.name}.tmp.{os.getpid()}.{threading.get_ident()}'
   temporary.write_bytes(data)
   os.replace(temporary, location)
 
