@@ -138,7 +138,7 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
 def test_evaluation_equals_one_process(corpus, reference, tiny_config):
   workdir, _ = reference
   config = workdirs.read_config(workdir)
-  _, evaluations = compare_runs.read_run(workdir)
+  _, evaluations, _ = compare_runs.read_run(workdir)
   logged = evaluations[STEPS]
   model_config = settings.model_settings(config)
   mesh = partitioning.create_mesh((8, 1, 1))
@@ -191,5 +191,5 @@ def test_resume_on_one_process_then_on_two_continues_the_global_stream(corpus, r
   comparison = compare_runs.compare(expected_dir, str(workdir))
   print(comparison)
   assert comparison['last_step'] == STEPS and comparison['differing_batches'] == []
-  assert len(compare_runs.read_batches(str(workdir))) == STEPS
+  assert len(compare_runs.read_run(str(workdir))[2]) == STEPS
   assert comparison['largest_loss_difference'] < 1e-5  # one mesh, other processes: float rounding at most

@@ -22,39 +22,30 @@ FLAGS = flags.FLAGS
 flags.DEFINE_multi_string('workdir', None, 'The two run directories.', required=True)
 
 
-def read_batches(workdir: str) -> dict[int, str]:
-  """{step: the hash of its global batch's rows} from a run's metrics file."""
-  batches = {}
-  for line in (storage.path(workdir) / METRICS_FILENAME).read_text().splitlines():
-    record = json.loads(line)
-    if record['split'] == 'train_steps' and record.get('batches'):
-      batches.update(zip(range(record['step'] - len(record['batches']) + 1, record['step'] + 1), record['batches']))
-  return batches
-
-
-def read_run(workdir: str) -> tuple[dict[int, float], dict[int, dict]]:
-  """({step: loss}, {step: evaluation record}) from a run's metrics file (a resumed run's last record wins)."""
+def read_run(workdir: str) -> tuple[dict[int, float], dict[int, dict], dict[int, str]]:
+  """({step: loss}, {step: evaluation record}, {step: the hash of its global batch's rows}) from a run's
+  metrics file, read once (a resumed run's last record wins)."""
   path = storage.path(workdir) / METRICS_FILENAME
   if not path.exists():
     raise SystemExit(f'error: {path} does not exist; pass the --workdir of a training run')
-  losses, evaluations = {}, {}
+  losses, evaluations, batches = {}, {}, {}
   for line in path.read_text().splitlines():
     record = json.loads(line)
     if record['split'] == 'train_steps':
-      first = record['step'] - len(record['losses']) + 1
-      losses.update(zip(range(first, record['step'] + 1), record['losses']))
+      for name, into in (('losses', losses), ('batches', batches)):
+        values = record.get(name) or []
+        into.update(zip(range(record['step'] - len(values) + 1, record['step'] + 1), values))
     elif record['split'] == 'eval':
       evaluations[record['step']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
-  return losses, evaluations
+  return losses, evaluations, batches
 
 
 def compare(workdir_a: str, workdir_b: str) -> dict:
   """Steps and evaluations both runs logged, and those that differ (bitwise; an evaluation on the metrics
   both logged, so a run without sample BLEU still compares on loss and perplexity)."""
-  (losses_a, evals_a), (losses_b, evals_b) = read_run(workdir_a), read_run(workdir_b)
+  (losses_a, evals_a, batches_a), (losses_b, evals_b, batches_b) = read_run(workdir_a), read_run(workdir_b)
   steps = sorted(set(losses_a) & set(losses_b))
   eval_steps = sorted(set(evals_a) & set(evals_b))
-  batches_a, batches_b = read_batches(workdir_a), read_batches(workdir_b)
   return {'steps': len(steps), 'last_step': steps[-1] if steps else None,
           'differing_steps': [s for s in steps if losses_a[s] != losses_b[s]],
           'differing_batches': [s for s in sorted(set(batches_a) & set(batches_b)) if batches_a[s] != batches_b[s]],
