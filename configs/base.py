@@ -66,6 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0  # 0 disables clipping (the paper does not clip).
   config.num_train_steps = 100_000  # §5.2: 100k steps for base.
   config.gradient_accumulation_steps = 1  # Reach 25k-token batches on fewer devices.
+  config.ema_decay = 0.0  # > 0: an exponential moving average of the weights (e.g. 0.999; not in the paper).
   config.max_skipped_steps = 5  # Consecutive steps with non-finite gradients skipped (optax.apply_if_finite) before the run stops.
   config.loss_spike_factor = 3.0  # Stop when the loss stays above this many times its running median ... (0: never).
   config.loss_spike_steps = 20  # ... for this many consecutive steps.
@@ -77,6 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
   # --- Checkpoints, evaluation, logging ---
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 10  # §6.1 averages the last 5 (base) checkpoints; keep at least that.
+  config.keep_best = 0  # > 0: also keep this many best checkpoints by config.best_metric (not in the paper).
+  config.best_metric = 'bleu'  # What keep_best and early stopping judge: validation 'bleu' (higher) or 'loss' (lower).
+  config.early_stopping_evaluations = 0  # > 0: end the run after this many evaluations without improvement.
   config.eval_every_steps = 1000
   config.log_every_steps = 100
   config.bleu_tokenize = '13a'  # sacreBLEU tokenizer for eval and translate.py --reference ('none': pre-tokenized).

@@ -1,11 +1,13 @@
 """Orbax checkpoints: save/restore the train state, restore parameters alone onto any mesh, average.
 
 Layout of a workdir:
-  checkpoints/<step>/{params,opt_state,data}   Orbax items, committed together (written to a temporary
-                                                name, then renamed: a crash never leaves a half-written
-                                                checkpoint); data/process_<i>.json is process i's
-                                                data-iterator state at that step (exact resume)
-  config.json, sentencepiece.model             the run's configuration and vocabulary (workdirs.py)
+  checkpoints/<step>/   Orbax items, committed together (written to a temporary name, then renamed: a crash
+                        never leaves a half-written checkpoint):
+    params, opt_state   the train state
+    ema                 the weights' moving average (config.ema_decay > 0)
+    data                data/process_<i>.json: process i's data-iterator state at that step (exact resume)
+    metrics             the validation metrics the best checkpoints are kept by (config.keep_best > 0)
+  config.json, sentencepiece.model   the run's configuration and vocabulary (workdirs.py)
 """
 
 import dataclasses
@@ -23,19 +25,46 @@ from flax_transformer import cluster, storage
 from flax_transformer.errors import UserError
 
 CHECKPOINT_DIR = 'checkpoints'
+EMA = 'ema'  # the item holding the weights' moving average (config.ema_decay > 0)
+METRICS_ITEM = 'metrics'  # where Orbax keeps a checkpoint's metrics: <step>/metrics/metrics
+HIGHER_IS_BETTER = ('bleu',)  # validation metrics where a higher value is better (loss: lower)
 
 
 def checkpoint_dir(workdir: str):
   return storage.path(workdir) / CHECKPOINT_DIR
 
 
-def create_manager(workdir: str, keep: int, asynchronous: bool = True) -> ocp.CheckpointManager:
+def create_manager(workdir: str, keep: int, asynchronous: bool = True, keep_best: int = 0,
+                   best_metric: str = 'bleu') -> ocp.CheckpointManager:
+  """The run's checkpoints: the newest `keep`, and with `keep_best` > 0 also the `keep_best` best by the
+  validation metric `best_metric` ('bleu': higher is better; 'loss': lower) given to each save (Orbax's own
+  preservation policies; the metrics are stored with each checkpoint, so a resumed run keeps its best)."""
+  retention = {'max_to_keep': keep}
+  if keep_best:
+    higher = best_metric in HIGHER_IS_BETTER
+    rank = lambda metrics: metrics[best_metric]
+    retention = {'best_fn': rank, 'best_mode': 'max' if higher else 'min',
+                 'preservation_policy': ocp.checkpoint_managers.AnyPreservationPolicy([
+                     ocp.checkpoint_managers.LatestN(keep),
+                     ocp.checkpoint_managers.BestN(get_metric_fn=rank, reverse=not higher, n=keep_best,
+                                                   keep_checkpoints_without_metrics=False)])}
+    _quiet_unranked_saves()
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous,
+      create=True, enable_async_checkpointing=asynchronous, **retention,
       # The step's folder is made before save() returns, so a folder that cannot be made fails that call at
       # once (made in the background, it fails in a thread the run then waits 300 s for).
       async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
   return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+
+
+def _quiet_unranked_saves() -> None:
+  """Orbax warns at every save without metrics once checkpoints are ranked; between evaluations that is the rule."""
+  import logging
+  logger = logging.getLogger('absl')
+  if not any(getattr(f, 'unranked', False) for f in logger.filters):
+    quiet = logging.Filter()
+    quiet.filter, quiet.unranked = lambda record: 'did not provide metrics' not in record.getMessage(), True
+    logger.addFilter(quiet)
 
 
 class DataStateMismatch(UserError):
@@ -74,14 +103,18 @@ class DataStateRestore(ocp.args.CheckpointArgs):
   pass
 
 
-def save_state(manager: ocp.CheckpointManager, state, data_state: dict | None = None) -> None:
-  """Starts an (asynchronous) save of parameters, optimizer state and this process's data state at
-  `state.step`; they commit as one checkpoint."""
+def save_state(manager: ocp.CheckpointManager, state, data_state: dict | None = None,
+               metrics: dict | None = None) -> None:
+  """Starts an (asynchronous) save of parameters, optimizer state, the weights' moving average (if the state
+  has one) and this process's data state at `state.step`; they commit as one checkpoint. `metrics`: the
+  validation metrics a best-checkpoint policy ranks it by (create_manager)."""
   step = int(jax.device_get(state.step))
   items = {'params': ocp.args.StandardSave(state.params), 'opt_state': ocp.args.StandardSave(state.opt_state)}
+  if state.ema_params is not None:
+    items[EMA] = ocp.args.StandardSave(state.ema_params)
   if data_state is not None:
     items['data'] = DataStateSave(data_state)
-  manager.save(step, args=ocp.args.Composite(**items))
+  manager.save(step, args=ocp.args.Composite(**items), metrics=metrics)
 
 
 def restore_data_state(manager: ocp.CheckpointManager, step: int) -> dict | None:
@@ -106,17 +139,28 @@ def _restore(manager: ocp.CheckpointManager, step: int, args):
     raise
 
 
-def _abstract(tree, shardings):
+def abstract(tree, shardings):
+  """`tree`'s shapes and dtypes as ShapeDtypeStructs carrying `shardings`: what Orbax restores into."""
   return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def restore_state(manager: ocp.CheckpointManager, step: int, state, state_shardings):
-  """The train state at `step`, laid out like `state` (which is only used for shapes and shardings)."""
-  restored = _restore(manager, step, ocp.args.Composite(
-      params=ocp.args.StandardRestore(_abstract(state.params, state_shardings.params)),
-      opt_state=ocp.args.StandardRestore(_abstract(state.opt_state, state_shardings.opt_state))))
+  """The train state at `step`, laid out like `state` (which is only used for shapes and shardings). A state
+  with a moving average of the weights takes the checkpoint's, or, from a checkpoint saved without one (the run
+  turned config.ema_decay on), starts it at the restored parameters."""
+  items = {'params': ocp.args.StandardRestore(abstract(state.params, state_shardings.params)),
+           'opt_state': ocp.args.StandardRestore(abstract(state.opt_state, state_shardings.opt_state))}
+  with_ema = state.ema_params is not None and EMA in (saved_items(storage.path(manager.directory) / str(step)) or ())
+  if with_ema:
+    items[EMA] = ocp.args.StandardRestore(abstract(state.ema_params, state_shardings.ema_params))
+  restored = _restore(manager, step, ocp.args.Composite(**items))
+  ema = restored[EMA] if with_ema else None
+  if state.ema_params is not None and ema is None:
+    print(f'checkpoint {step} holds no moving average of the weights; it starts from the restored parameters',
+          flush=True)
+    ema = jax.tree_util.tree_map(jax.numpy.copy, restored['params'])
   return state.replace(step=jax.device_put(np.asarray(step, np.int32), state_shardings.step),
-                       params=restored['params'], opt_state=restored['opt_state'])
+                       params=restored['params'], opt_state=restored['opt_state'], ema_params=ema)
 
 
 class CheckpointDamaged(UserError):
@@ -297,7 +341,7 @@ def remove_partial(workdir, step: int) -> bool:
   return removed
 
 
-def _checkpoints_folder(directory: str):
+def checkpoints_folder(directory: str):
   """The checkpoints/ folder of `directory` (a workdir or that folder), absolute (Orbax takes no other)."""
   directory = storage.path(directory)
   return directory if directory.name == CHECKPOINT_DIR else directory / CHECKPOINT_DIR
@@ -305,66 +349,7 @@ def _checkpoints_folder(directory: str):
 
 def available_steps(directory: str) -> list[int]:
   """Steps of the finished checkpoints under `directory` (a workdir or its checkpoints/ folder)."""
-  directory = _checkpoints_folder(directory)
+  directory = checkpoints_folder(directory)
   if not directory.is_dir():
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))
-
-
-def restore_params(directory: str, step: int, abstract_params, shardings=None):
-  """Parameters alone (no optimizer state is read) of checkpoint `step`, placed with `shardings`.
-
-  `abstract_params`: a tree of arrays or ShapeDtypeStructs giving shapes; `shardings` defaults to
-  replication over all local devices.
-  """
-  directory = _checkpoints_folder(directory)
-  check_kind(directory / str(step), abstract_params, False, directory.parent)
-  if shardings is None:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ('replica',))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    shardings = jax.tree_util.tree_map(lambda _: replicated, abstract_params)
-  with ocp.CheckpointManager(directory) as manager:
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(abstract_params, shardings))))
-  return restored['params']
-
-
-class CheckpointUnreadable(UserError):
-  """One checkpoint whose files are damaged (the workdir's other checkpoints may still be read)."""
-
-
-def readable_params(directory: str, step: int, abstract_params, where: str):
-  """restore_params; a damaged checkpoint is a CheckpointUnreadable naming the damage (and is left as it is:
-  reading a run changes nothing in it); so is another model's (CheckpointOfAnotherKind). A read that fails for
-  another reason (the storage, memory) is retried, then a CheckpointRestoreFailed."""
-  for attempt in range(RESTORE_ATTEMPTS):
-    try:
-      return restore_params(directory, step, abstract_params)
-    except UserError:
-      raise
-    except Exception as error:
-      if is_damage(error):
-        raise CheckpointUnreadable(f'checkpoint {step} in {where} is damaged ({reason(error)})') from None
-      if attempt == RESTORE_ATTEMPTS - 1:
-        raise CheckpointRestoreFailed(f'checkpoint {step} in {where} could not be read ({reason(error)}) after '
-                                      f'{RESTORE_ATTEMPTS} attempts; rerun once the storage (or memory) problem is '
-                                      f'fixed') from None
-      time.sleep(2 ** attempt)
-
-
-def average_params(params_list):
-  """Element-wise mean of parameter trees (§6.1 checkpoint averaging), accumulated in float32."""
-  total = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params_list[0])
-  for params in params_list[1:]:
-    total = jax.tree_util.tree_map(lambda a, b: a + np.asarray(b, np.float32), total, params)
-  return jax.tree_util.tree_map(lambda x: x / len(params_list), total)
-
-
-def save_params(directory: str, step: int, params, averaged_steps: list[int] | None = None) -> None:
-  """Writes parameters as a one-item Orbax checkpoint at `directory/<step>` (e.g. an averaged model, whose
-  `averaged_steps` go into the checkpoint's metadata)."""
-  options = ocp.CheckpointManagerOptions(create=True)
-  metadata = {'averaged_steps': list(averaged_steps)} if averaged_steps else None
-  with ocp.CheckpointManager(storage.path(directory), options=options) as manager:
-    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), custom_metadata=metadata)
-    manager.wait_until_finished()

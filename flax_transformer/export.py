@@ -115,8 +115,10 @@ def _feed_forward(spec, stack, i):
 
 
 def export(workdir: str, output: str, quantization: str = 'float32', step: int | None = None,
-           average_last: int | None = None, overwrite: bool = False) -> list[int]:
-  """Writes the model of `workdir` to the CTranslate2 folder `output`; returns the checkpoint steps used.
+           average_last: int | None = None, overwrite: bool = False, checkpoint: str = 'last',
+           weights: str = 'params') -> list[int]:
+  """Writes the model of `workdir` to the CTranslate2 folder `output` (its weights chosen as Translator.from_workdir
+  chooses them); returns the checkpoint steps used.
 
   `output` may not be, hold or sit inside the workdir; it is written beside and swapped in when complete
   (storage.staged_directory): never half-written, and a previous `output` is replaced only then.
@@ -133,7 +135,7 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
   storage.check_output(f'--output={output}', output, {'the workdir': workdir})
   storage.check_replaceable('--output', output, overwrite)
   from flax_transformer.translator import Translator
-  translator = Translator.from_workdir(workdir, step, average_last)
+  translator = Translator.from_workdir(workdir, step, average_last, checkpoint=checkpoint, weights=weights)
   import jax
   params = jax.device_get(translator.params)  # nested dicts of numpy arrays
   pieces = [translator.processor.id_to_piece(i) for i in range(translator.processor.get_piece_size())]

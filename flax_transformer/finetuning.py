@@ -8,7 +8,7 @@ checkpoint of its own it resumes from that, as any run does.
 
 import dataclasses
 
-from flax_transformer import checkpointing, storage, tokenizer, workdirs
+from flax_transformer import checkpointing, storage, tokenizer, weights, workdirs
 from flax_transformer.errors import WorkdirError
 from flax_transformer.model import TransformerConfig
 
@@ -66,5 +66,5 @@ def copy_vocabulary(origin: Source, vocab_path: str, workdir) -> None:
 
 def initial_params(origin: Source, state, state_shardings):
   """The fresh train state with the source's parameters, placed as `state_shardings` says."""
-  params = checkpointing.restore_params(origin.workdir, origin.step, state.params, state_shardings.params)
+  params = weights.restore_params(origin.workdir, origin.step, state.params, state_shardings.params)
   return state.replace(params=params)

@@ -5,8 +5,10 @@
   StopSignal   every step: SIGTERM/SIGINT (agreed across processes) ends the run after this step
   LossGuard    every log step and checkpoint: fetches the steps' metrics; a lost loss stops the run
   Progress     every log step and checkpoint: the progress line, TensorBoard and the metrics file
-  Checkpoint   every checkpoint_every_steps, the last step and a stop: an Orbax save, never of a broken state
-  Evaluation   every eval_every_steps and the last step: validation loss and BLEU (abandoned on a signal)
+  Evaluation   every eval_every_steps and the last step: validation loss and BLEU (validation.py)
+  EarlyStopping  after each evaluation: the best so far; ends a run that stopped improving (validation.py)
+  Checkpoint   every checkpoint_every_steps, the last step, a stop, and with config.keep_best every
+               evaluation (ranked by its metrics): an Orbax save, never of a broken state
   LateStop     every step: a signal that came during the evaluation still stops the run with a checkpoint
 
 The order is the contract: each hook names the hooks that must run before it (`after`), and `check_order`
@@ -24,14 +26,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from flax_transformer import evaluation, parallel_text, partitioning, storage, token_table, translator
 from flax_transformer.errors import UserError
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.saver import Saver
 from flax_transformer.settings import LoopSettings
-
-TRANSLATIONS_DIR = 'translations'  # translations/eval_<step>.txt: the BLEU sample's translations
-
 
 class TrainingDiverged(UserError):
   """The loss became NaN or Inf, or stayed far above its running median."""
@@ -47,6 +45,7 @@ class StepEnd:
   stop: str | None = None  # why the run ends after this step (a signal's name)
   fetched: list | None = None  # `pending` on the host, once a hook fetched it at this step
   saved: bool = False  # a checkpoint was written at this step
+  evaluated: dict | None = None  # the judged weights' validation metrics, at a step evaluated (validation.py)
 
   @property
   def last(self) -> bool:
@@ -54,7 +53,8 @@ class StepEnd:
 
   @property
   def checkpoint_due(self) -> bool:
-    return self.step % self.loop.checkpoint_every_steps == 0 or self.last or self.stop is not None
+    ranked = self.loop.keep_best > 0 and self.step % self.loop.eval_every_steps == 0  # each evaluation ranks one
+    return self.step % self.loop.checkpoint_every_steps == 0 or self.last or self.stop is not None or ranked
 
   @property
   def log_due(self) -> bool:
@@ -269,7 +269,8 @@ class Checkpoint(Hook):
   loss is not finite (its skipped update left the state as it was; a broken one stays broken). The last save
   is awaited when the loop ends."""
   name = 'checkpoint'
-  after = ('signals', 'guard')  # a stop makes one due; a lost run never overwrites a good checkpoint
+  # a stop makes one due; a lost run never overwrites a good checkpoint; an evaluation's metrics rank it
+  after = ('signals', 'guard', 'evaluation', 'early stopping')
 
   def __init__(self, run, saver: Saver, guard: LossGuard):
     self.run, self.saver, self.guard = run, saver, guard
@@ -281,7 +282,8 @@ class Checkpoint(Hook):
     if self.guard.nonfinite:
       print(f'no checkpoint at step {end.step}: its loss is not finite', flush=True)
       return
-    self.saver.save(end.step, end.state, self.run.train_iter.state())
+    ranked = self.run.settings.loop.keep_best > 0 and end.evaluated is not None
+    self.saver.save(end.step, end.state, self.run.train_iter.state(), end.evaluated if ranked else None)
     self.guard.saved(end.step)
     end.saved = True
 
@@ -292,74 +294,11 @@ class Checkpoint(Hook):
     self.saver.close()
 
 
-class Evaluation(Hook):
-  """Validation loss, perplexity and accuracy, and BLEU on a sample, every process on the same batches; a
-  signal meanwhile abandons it (the loop then saves and exits)."""
-  name = 'evaluation'
-  after = ('checkpoint',)  # a signal during the evaluation abandons the evaluation, not the save
-
-  def __init__(self, run, log: MetricsLog, signals: StopSignal):
-    self.run, self.log, self.signals = run, log, signals
-    self.batches, self.sources, self.encoded, self.references = None, None, None, None  # built at the first one
-    self.seconds = []  # (duration, end time) of each evaluation
-    self.last = {}
-
-  def due(self, end: StepEnd) -> bool:
-    return end.step % end.loop.eval_every_steps == 0 or end.last
-
-  def _translate(self, params, should_stop):
-    s, run = self.run.settings, self.run
-    if self.sources is None:
-      pairs = list(parallel_text.python_pairs(s.data, 'eval'))[:s.loop.num_eval_bleu_sentences]
-      self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
-      self.encoded = translator.encode_sentences(run.processor, self.sources)
-    if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
-      from jax.experimental import multihost_utils
-      params = multihost_utils.process_allgather(params, tiled=True)
-    d = s.decode
-    model = translator.Translator(params, s.model, run.processor, beam_size=d.beam_size,
-                                  length_penalty_alpha=d.length_penalty_alpha, max_extra_length=d.max_extra_length,
-                                  eval_tokens_per_batch=d.eval_tokens_per_batch, beam_top_k=d.beam_top_k)
-    return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
-
-  def evaluate(self, step: int, params) -> dict:
-    """The metrics at `step`; {} if SIGTERM/SIGINT arrives meanwhile."""
-    s, run, should_stop = self.run.settings, self.run, lambda: self.signals.received is not None
-    if self.batches is None:
-      dp_size = partitioning.data_parallel_size(run.mesh)
-      self.batches = token_table.eval_batches(s.data, run.vocab_path, 'eval', dp_size)
-    results = evaluation.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
-    if results is not None and s.loop.num_eval_bleu_sentences > 0:
-      hypotheses = self._translate(params, should_stop)
-      if hypotheses is None:
-        results = None
-      else:
-        results['bleu'], _ = evaluation.bleu(hypotheses, self.references, s.decode.bleu_tokenize)
-        if run.is_chief:  # the sample's translations, to read beside the score
-          folder = run.workdir / TRANSLATIONS_DIR
-          storage.within(s.loop.storage_timeout_seconds, f'writing the translations of step {step} to {folder}',
-                         lambda: folder.mkdir(parents=True, exist_ok=True) or (folder / f'eval_{step}.txt').write_text(
-                             ''.join(h + '\n' for h in hypotheses)))
-    if results is None:
-      print(f'evaluation at step {step} abandoned: {self.signals.received} received', flush=True)
-      return {}
-    self.log.scalars(step, results, 'eval')
-    bleu = f' bleu {results["bleu"]:.2f}' if 'bleu' in results else ''
-    self.log.say(f'eval step {step}: loss {results["loss"]:.4f} perplexity {results["perplexity"]:.2f} '
-                 f'accuracy {results["accuracy"]:.4f}{bleu}')
-    return results
-
-  def after_step(self, end: StepEnd) -> None:
-    start = time.perf_counter()
-    self.last = self.evaluate(end.step, end.state.params)
-    self.seconds.append((time.perf_counter() - start, time.perf_counter()))
-
-
 class LateStop(Hook):
   """A signal that arrived after this step's checks (during its evaluation) still ends the run here, with a
   checkpoint at this step if none was written."""
   name = 'late stop'
-  after = ('evaluation',)
+  after = ('checkpoint',)  # the checkpoint hook has saved this step, or said why not, or was not due
 
   def __init__(self, signals: StopSignal, checkpoint: Checkpoint):
     self.signals, self.checkpoint = signals, checkpoint
@@ -368,7 +307,7 @@ class LateStop(Hook):
     return self.signals.received is not None
 
   def after_step(self, end: StepEnd) -> None:
-    if not end.checkpoint_due:  # else the Checkpoint hook has written this step's (or said why not)
+    if not end.checkpoint_due and not end.saved:  # else the Checkpoint hook has written this step's (or said why not)
       self.checkpoint.after_step(end)
     end.stop = self.signals.received
     saved = f'checkpoint saved at step {end.step}' if end.saved else f'no checkpoint at step {end.step}'

@@ -52,3 +52,16 @@ class MetricsLog:
       self.writer.close()
       self.tensorboard.sync()
       self.file.close()
+
+
+def read_evaluations(workdir, split: str = 'eval', until: int | None = None) -> dict[int, dict]:
+  """{step: metrics} of the evaluations logged under `split` in a run's metrics file (the last record of a step
+  wins: a resumed run may evaluate a step again), up to step `until`; {} where there is no file."""
+  path, found = storage.path(workdir) / METRICS_FILENAME, {}
+  if not path.exists():
+    return found
+  for line in path.read_text().splitlines():
+    record = json.loads(line)
+    if record.get('split') == split and (until is None or record['step'] <= until):
+      found[record['step']] = {k: v for k, v in record.items() if k not in ('step', 'split')}
+  return found

@@ -3,6 +3,9 @@
 Optional, not in the paper: `lr_decay='constant'` holds the warmup's peak instead of decaying it as
 step^-0.5, and `cooldown_steps` > 0 multiplies the schedule by a linear ramp from 1 to 0 over the last
 `cooldown_steps` of `num_train_steps`; together, warmup-hold-cooldown, for runs whose length is fixed in advance.
+
+Optional, not in the paper: `ema_decay` > 0 keeps an exponential moving average of the weights (Marian's
+exponential smoothing, OpenNMT-py's average_decay), updated in the train step (`ema_update`).
 """
 
 import dataclasses
@@ -32,6 +35,9 @@ class OptimizerSettings:
                                   minimum=0)
   max_skipped_steps: int = setting('Consecutive non-finite updates skipped (optax.apply_if_finite) before the run '
                                    'stops.', minimum=0, before=0)
+  ema_decay: float = setting('Exponential moving average of the weights, updated every step: ema = d·ema + (1 - d)'
+                             '·params (0: none, the paper; e.g. 0.999); evaluated beside the weights, saved with '
+                             'them, translated with --weights=ema.', low=0.0, high=1.0, before=0.0)
 
 
 def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, decay: str = 'inverse_sqrt'):
@@ -72,3 +78,9 @@ def create_optimizer(settings: OptimizerSettings, d_model: int) -> optax.Gradien
   if settings.max_skipped_steps > 0:  # a non-finite gradient skips its update (the loop counts them)
     tx = optax.apply_if_finite(tx, max_consecutive_errors=settings.max_skipped_steps)
   return tx
+
+
+def ema_update(ema_params, params, decay: float):
+  """One step of the weights' exponential moving average: decay · ema + (1 - decay) · params (optax's own
+  incremental update; the average keeps the parameters' dtype and sharding)."""
+  return optax.incremental_update(params, ema_params, 1.0 - decay)

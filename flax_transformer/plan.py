@@ -18,7 +18,6 @@ if __name__ == '__main__':  # python -m flax_transformer.plan: the program, whic
   console()
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import math  # noqa: E402
 
 import jax  # noqa: E402
@@ -87,11 +86,7 @@ def _compiled_step(s: Settings, mesh):
   shape)."""
   rows, source_length, target_length = longest_batch_shape(s, partitioning.data_parallel_size(mesh))
   state, shardings = train_state.abstract_train_state(s.model, s.optimizer, mesh)
-  step = partitioning.jit_train_step(
-      functools.partial(steps.train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
-                        gradient_accumulation_steps=s.loop.gradient_accumulation_steps,
-                        fused_output_loss=s.loop.fused_output_loss),
-      mesh, shardings)
+  step = partitioning.jit_train_step(steps.for_run(s)[0], mesh, shardings)
   batch_sharding = partitioning.batch_sharding(mesh)
   batch = {'inputs': jax.ShapeDtypeStruct((rows, source_length), jnp.int32, sharding=batch_sharding),
            'targets': jax.ShapeDtypeStruct((rows, target_length), jnp.int32, sharding=batch_sharding)}

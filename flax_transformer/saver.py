@@ -65,11 +65,12 @@ class Saver:
     except Exception as error:
       raise self._failure(self.step, error) from None
 
-  def save(self, step: int, state, data_state: dict) -> None:
+  def save(self, step: int, state, data_state: dict, metrics: dict | None = None) -> None:
+    """Starts the save of `step` (after the one in flight); `metrics` rank it among the best checkpoints."""
     self.finish()
     self.step, self.started = step, time.monotonic()
     try:
-      self._waited('the save', lambda: checkpointing.save_state(self.manager, state, data_state))
+      self._waited('the save', lambda: checkpointing.save_state(self.manager, state, data_state, metrics))
     except Exception as error:
       raise self._failure(step, error) from None
 

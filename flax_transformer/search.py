@@ -207,29 +207,51 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
 
 # --- The Transformer as a tokens_to_logits callback ------------------------------------------
 
+def members(model, params) -> tuple[tuple, tuple]:
+  """(models, their parameters) of one model (a Transformer and its parameters) or of an ensemble (tuples of
+  both)."""
+  return (tuple(model), tuple(params)) if isinstance(model, tuple) else ((model,), (params,))
+
+
+def ensemble_log_probs(logits: list[jax.Array]) -> jax.Array:
+  """An ensemble's next-token distribution from its members' logits [..., v]: the mean of their
+  log-probabilities (as fairseq's and Marian's ensembles), renormalised, so that it is a distribution whose
+  scores read as one model's: log-probabilities [..., v] (float32)."""
+  mean = jnp.mean(jnp.stack([jax.nn.log_softmax(x.astype(jnp.float32), axis=-1) for x in logits]), axis=0)
+  return jax.nn.log_softmax(mean, axis=-1)
+
+
 def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
                     max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None):
   """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_output_length], scores [b]), or with
   num_results=k the k best of each sentence's beam: ([b, k, max_output_length], [b, k]).
 
-  Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
+  `model` and `params`: one Transformer and its parameters, or an ensemble: a tuple of Transformers (any shapes
+  sharing one vocabulary) and a tuple of their parameters, decoded with `ensemble_log_probs`, each member with
+  its own cache. Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
   Bind model/beam_size/length_penalty_alpha/max_extra_length/max_output_length with functools.partial and jit.
   """
-  batch = inputs.shape[0]
-  encoded = model.apply({'params': params}, inputs, method=model.encode)  # [b, s, e]
-  n = max(beam_size, 1)
-  cache = model.apply({'params': params}, encoded, n, max_output_length, method=model.init_cache)
+  batch, n = inputs.shape[0], max(beam_size, 1)
+  models, member_params = members(model, params)
+  caches = tuple(m.apply({'params': p}, m.apply({'params': p}, inputs, method=m.encode), n, max_output_length,
+                         method=m.init_cache) for m, p in zip(models, member_params))
   source_lengths = jnp.sum(inputs > 0, axis=1)  # [b]
   max_lengths = source_lengths + max_extra_length
 
-  def tokens_to_logits(ids, cache):
-    return model.apply({'params': params}, ids, inputs, cache, method=model.decode_step)
+  def tokens_to_logits(ids, caches):
+    outputs = [m.apply({'params': p}, ids, inputs, c, method=m.decode_step)
+               for m, p, c in zip(models, member_params, caches)]
+    logits = outputs[0][0] if len(models) == 1 else ensemble_log_probs([logits for logits, _ in outputs])
+    return logits, tuple(cache for _, cache in outputs)
+
+  def reorder_cache(caches, rows):
+    return tuple(type(m).reorder_cache(c, rows) for m, c in zip(models, caches))
 
   if beam_size <= 1:
-    tokens, scores = greedy_search(tokens_to_logits, cache, batch, max_lengths, max_output_length)
+    tokens, scores = greedy_search(tokens_to_logits, caches, batch, max_lengths, max_output_length)
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
-  return beam_search(tokens_to_logits, cache, batch, max_lengths, max_output_length, beam_size,
-                     length_penalty_alpha, reorder_cache=type(model).reorder_cache, beam_top_k=beam_top_k,
+  return beam_search(tokens_to_logits, caches, batch, max_lengths, max_output_length, beam_size,
+                     length_penalty_alpha, reorder_cache=reorder_cache, beam_top_k=beam_top_k,
                      num_results=num_results)
 
 

@@ -30,6 +30,8 @@ from flax_transformer.model import TransformerConfig
 from flax_transformer.optim import OptimizerSettings
 from flax_transformer.parallel_text import DataSettings
 
+BEST_METRICS = ('bleu', 'loss')  # validation metrics a checkpoint can be chosen by
+
 # Saved config.json keys renamed since: old -> new (a dotted key is under config.model).
 RENAMED = {
     'max_length': 'max_train_length',
@@ -46,6 +48,13 @@ class LoopSettings:
                                         minimum=1)
   keep_checkpoints: int = setting('Newest checkpoints kept (§6.1 averages the last 5 of base, 20 of big).',
                                   minimum=1)
+  keep_best: int = setting('Best checkpoints kept by best_metric beside the newest keep_checkpoints (0: none); '
+                           'a checkpoint is then written at every evaluation.', minimum=0, before=0)
+  best_metric: str = setting("What keep_best and early stopping judge: validation 'bleu' (higher is better) or "
+                             "'loss' (lower); of the weights' average when ema_decay > 0.", choices=BEST_METRICS,
+                             before='bleu')
+  early_stopping_evaluations: int = setting('End the run (exit 0) after this many evaluations without an '
+                                            'improvement of best_metric (0: never).', minimum=0, before=0)
   eval_every_steps: int = setting('Steps between validation loss and BLEU.', minimum=1)
   log_every_steps: int = setting('Steps between progress lines and TensorBoard scalars.', minimum=1)
   num_eval_bleu_sentences: int = setting('Validation sentences translated for BLEU at each evaluation (0: none).',
@@ -132,6 +141,11 @@ def check(config: ml_collections.ConfigDict) -> None:
   if config.keep_checkpoints < config.average_last:
     raise ConfigError(f'config.keep_checkpoints={config.keep_checkpoints} is below config.average_last='
                       f'{config.average_last}; keep at least as many checkpoints as are averaged')
+  if (config.keep_best or config.early_stopping_evaluations) and config.best_metric == 'bleu' and \
+      not config.num_eval_bleu_sentences:
+    raise ConfigError("config.best_metric='bleu' but config.num_eval_bleu_sentences=0 computes no BLEU; translate "
+                      "some validation sentences (e.g. --config.num_eval_bleu_sentences=500) or judge by "
+                      "--config.best_metric=loss")
   if config.dataset == 'files':
     for split in ('train', 'eval'):
       for side in ('source', 'target'):

@@ -117,6 +117,15 @@ def banner(s: Settings, mesh, num_params: int, num_batch_shapes: int, cluster_ki
       f'per data-parallel device, {s.data.gradient_accumulation_steps} micro-batch(es); '
       f'{num_batch_shapes} batch shapes to compile',
   ]
+  loop, chosen = s.loop, []
+  if s.optimizer.ema_decay:
+    chosen.append(f'moving average of the weights (decay {s.optimizer.ema_decay:g}), evaluated beside them')
+  if loop.keep_best:
+    chosen.append(f'the {loop.keep_best} best checkpoints by validation {loop.best_metric} kept')
+  if loop.early_stopping_evaluations:
+    chosen.append(f'early stopping after {loop.early_stopping_evaluations} evaluations without improvement')
+  if chosen:
+    lines.append('selection: ' + '; '.join(chosen))
   return '\n'.join(lines)
 
 
@@ -165,7 +174,8 @@ def _build(config_json: str, s: Settings, workdir, mesh, shard, is_chief, lock, 
     workdirs.write_config(workdir, config_json)
   init_rng, dropout_rng = jax.random.split(jax.random.key(s.loop.seed, impl=s.loop.dropout_rng_impl))
   state, state_shardings = train_state.create_train_state(s.model, s.optimizer, mesh, init_rng)
-  manager = checkpointing.create_manager(workdir, s.loop.keep_checkpoints)
+  manager = checkpointing.create_manager(workdir, s.loop.keep_checkpoints, keep_best=s.loop.keep_best,
+                                         best_metric=s.loop.best_metric)
   state, data_state = _resume(s.loop.restore_data_state, workdir, state, state_shardings, manager)
   start_step = int(jax.device_get(state.step))
   if origin and start_step == 0:  # a fine-tuning run's first start: the source's parameters, a fresh optimizer
@@ -176,13 +186,9 @@ def _build(config_json: str, s: Settings, workdir, mesh, shard, is_chief, lock, 
   if is_chief:
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     print(banner(s, mesh, num_params, len(train_iter.batching.used_shapes), cluster_kind), flush=True)
-  train_step = partitioning.jit_train_step(
-      functools.partial(steps.train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
-                        gradient_accumulation_steps=s.loop.gradient_accumulation_steps,
-                        fused_output_loss=s.loop.fused_output_loss), mesh, state_shardings)
-  eval_step = partitioning.jit_eval_step(
-      functools.partial(steps.eval_step, model_config=s.model, label_smoothing=s.loop.label_smoothing),
-      mesh, state_shardings.params)
+  train, evaluate = steps.for_run(s)
+  train_step = partitioning.jit_train_step(train, mesh, state_shardings)
+  eval_step = partitioning.jit_eval_step(evaluate, mesh, state_shardings.params)
   run = Run(settings=s, workdir=workdir, is_chief=is_chief, mesh=mesh, processor=processor, vocab_path=vocab_path,
             state_shardings=state_shardings, manager=manager, start_step=start_step, train_iter=train_iter,
             train_step=train_step, eval_step=eval_step, learning_rate=optim.learning_rate(s.optimizer, s.model.d_model),

@@ -1,11 +1,14 @@
-"""Pure training and evaluation steps. Bind the configuration with functools.partial; jit in partitioning.py."""
+"""Pure training and evaluation steps. Bind the configuration with functools.partial (`for_run` binds a run's
+settings); jit in partitioning.py."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
 
-from flax_transformer import losses
+from flax_transformer import losses, optim
 from flax_transformer.model import Transformer, TransformerConfig
 
 
@@ -22,7 +25,7 @@ def split_micro_batches(batch: dict, k: int) -> dict:
 
 
 def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerConfig, label_smoothing: float,
-               gradient_accumulation_steps: int = 1, fused_output_loss: bool = True):
+               gradient_accumulation_steps: int = 1, fused_output_loss: bool = True, ema_decay: float = 0.0):
   """One optimizer update on `batch` ({'inputs': [B, s], 'targets': [B, t]} int32).
 
   With gradient_accumulation_steps = k the batch is split into k strided micro-batches of B/k rows whose
@@ -30,6 +33,7 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
   `rng` is the run's dropout key; it is folded with the step so every step draws fresh masks.
   fused_output_loss: the pre-softmax projection and the loss share one hand-written gradient
   (losses.projected_loss_and_metrics); False differentiates the logits path with autodiff.
+  ema_decay: the decay of the weights' moving average, which a state with `ema_params` updates after the step.
   Returns (new state, metrics {'loss', 'nll', 'accuracy', 'tokens', 'grad_norm', 'learning_rate'}).
   """
   model = Transformer(model_config)
@@ -66,6 +70,8 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
   tokens = jnp.maximum(sums['tokens'], 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)  # Gradient of the per-token mean loss.
   new_state = state.apply_gradients(grads=grads)
+  if state.ema_params is not None:
+    new_state = new_state.replace(ema_params=optim.ema_update(state.ema_params, new_state.params, ema_decay))
   metrics = {'loss': sums['loss'] / tokens, 'nll': sums['nll'] / tokens, 'accuracy': sums['correct'] / tokens,
              'tokens': sums['tokens'], 'grad_norm': optax.tree.norm(grads)}
   return new_state, metrics
@@ -75,3 +81,12 @@ def eval_step(params, batch: dict, *, model_config: TransformerConfig, label_smo
   """Sums {'loss', 'nll', 'correct', 'tokens'} over the non-padding targets of `batch` (padding rows count 0)."""
   logits = Transformer(model_config).apply({'params': params}, batch['inputs'], batch['targets'], deterministic=True)
   return losses.loss_and_metrics(logits, batch['targets'], label_smoothing)
+
+
+def for_run(s) -> tuple:
+  """(train step, eval step) bound to a run's settings (settings.Settings), for partitioning's jit."""
+  train = functools.partial(train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
+                            gradient_accumulation_steps=s.loop.gradient_accumulation_steps,
+                            fused_output_loss=s.loop.fused_output_loss, ema_decay=s.optimizer.ema_decay)
+  evaluate = functools.partial(eval_step, model_config=s.model, label_smoothing=s.loop.label_smoothing)
+  return train, evaluate

@@ -280,7 +280,7 @@ def train_table(data: DataSettings, vocab_path: str, workdir, shard: tuple[int, 
 def _check_writable(directory, identity_: dict) -> None:
   try:
     storage.check_writable(directory, 'the token cache', 'set config.token_cache to a folder this run can write')
-  except storage.StorageError as error:
+  except storage.StorageError:
     said = differences(directory, identity_)
     if said:
       raise storage.StorageError(f'the token cache {directory} must be built and cannot be written: {said}; '

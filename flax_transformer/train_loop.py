@@ -12,13 +12,14 @@ accuracy and BLEU on a validation sample every `eval_every_steps`.
 
 import jax
 
-from flax_transformer import checkpointing, hooks, storage, startup
-from flax_transformer.metrics_log import MetricsLog
+from flax_transformer import checkpointing, hooks, storage, startup, validation
+from flax_transformer.metrics_log import MetricsLog, read_evaluations
 from flax_transformer.saver import CheckpointSaveFailed, Saver
 
 
-ORDER = (hooks.SaveCheck, hooks.StopSignal, hooks.LossGuard, hooks.Progress, hooks.Checkpoint, hooks.Evaluation,
-         hooks.LateStop)  # the loop's hooks in their order: hooks.py says what each does and why it comes there
+ORDER = (hooks.SaveCheck, hooks.StopSignal, hooks.LossGuard, hooks.Progress, validation.Evaluation,
+         validation.EarlyStopping, hooks.Checkpoint, hooks.LateStop)  # the loop's hooks in their order: hooks.py
+# and validation.py say what each does and why it comes there
 
 
 def build_hooks(run: startup.Run, log: MetricsLog, saver: Saver) -> list[hooks.Hook]:
@@ -28,9 +29,14 @@ def build_hooks(run: startup.Run, log: MetricsLog, saver: Saver) -> list[hooks.H
   guard = hooks.LossGuard(loop.max_skipped_steps, loop.loss_spike_factor, loop.loss_spike_steps, verbose=run.is_chief,
                     checkpoints=checkpointing.available_steps(run.workdir))
   checkpoint = hooks.Checkpoint(run, saver, guard)
-  evaluation = hooks.Evaluation(run, log, signals)
+  evaluation = validation.Evaluation(run, log, signals)
   progress = hooks.Progress(run, log, evaluation.seconds)
-  built = [hooks.SaveCheck(saver), signals, guard, progress, checkpoint, evaluation, hooks.LateStop(signals, checkpoint)]
+  history = read_evaluations(run.workdir, validation.judged_split(run), until=run.start_step) if run.start_step else {}
+  early_stopping = validation.EarlyStopping(loop.best_metric, loop.early_stopping_evaluations,
+                                            {step: m[loop.best_metric] for step, m in history.items()
+                                             if loop.best_metric in m}, verbose=run.is_chief)
+  built = [hooks.SaveCheck(saver), signals, guard, progress, evaluation, early_stopping, checkpoint,
+           hooks.LateStop(signals, checkpoint)]
   assert tuple(type(hook) for hook in built) == ORDER
   return built
 
@@ -51,7 +57,9 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   finally:
     _close(run, log, ordered, failure)
   named = {hook.name: hook for hook in ordered}
-  return {'step': step, 'train': named['progress'].last, 'eval': named['evaluation'].last}
+  evaluated = named['evaluation'].last
+  return {'step': step, 'train': named['progress'].last, 'eval': evaluated.get('eval', {}),
+          **({'eval_ema': evaluated['eval_ema']} if 'eval_ema' in evaluated else {})}
 
 
 def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:

@@ -1,5 +1,8 @@
-"""Where the model and the optimizer meet: the train state (parameters, Adam's moments, the step), created
-directly in its sharded layout over a mesh, or as abstract shapes for ahead-of-time compilation."""
+"""Where the model and the optimizer meet: the train state (parameters, Adam's moments, the step, and with
+config.ema_decay > 0 the weights' moving average), created directly in its sharded layout over a mesh, or as
+abstract shapes for ahead-of-time compilation."""
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,9 @@ from flax_transformer.optim import OptimizerSettings
 
 
 class TrainState(flax_train_state.TrainState):
-  """Step, parameters and optimizer state. The step is an array, so incrementing it never recompiles."""
+  """Step, parameters and optimizer state, and `ema_params` (the weights' exponential moving average, laid out
+  like the parameters) or None. The step is an array, so incrementing it never recompiles."""
+  ema_params: Any = None
 
 
 def _initializer(model_config: TransformerConfig, optimizer: OptimizerSettings):
@@ -23,7 +28,8 @@ def _initializer(model_config: TransformerConfig, optimizer: OptimizerSettings):
   def init(rng):
     dummy = jnp.ones((1, 1), jnp.int32)
     params = model.init(rng, dummy, dummy)['params']
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    ema_params = params if optimizer.ema_decay > 0 else None  # the average starts at the initial weights
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, ema_params=ema_params)
   return init
 
 

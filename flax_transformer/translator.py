@@ -13,36 +13,44 @@ compilation per batch shape and decoding choice, kept for the life of the proces
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flax_transformer import losses, platforms, search, tokenizer
+from flax_transformer.sentences import encode_sentences, split_at_punctuation, translation_batches
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.errors import ArgumentError, UserError, WorkdirError
-from flax_transformer.model import Transformer, TransformerConfig
+from flax_transformer.model import Transformer
 from flax_transformer.settings import Settings
 
 WORD_START = '\u2581'  # SentencePiece's mark of a piece that begins a word
+CHECKPOINTS = ('last', 'best')  # which checkpoints a model is read from: the newest (averaged), or the best one
 
 
 def _forced_scores(params, inputs, targets, *, model, with_attention: bool, layer: int = -1):
   """inputs [b, s], targets [b, t] (EOS-terminated, 0-padded) -> (log p(target row) [b], and with
-  `with_attention` decoder layer `layer`'s cross-attention averaged over heads [b, t, s])."""
+  `with_attention` decoder layer `layer`'s cross-attention averaged over heads [b, t, s]). `model`, `params`: one
+  model, or an ensemble's tuples (search.members; scored by search.ensemble_log_probs, without attention)."""
+  models, member_params = search.members(model, params)
+  if len(models) == 1:
+    model, params = models[0], member_params[0]
   if with_attention:
     logits, variables = model.apply({'params': params}, inputs, targets, mutable=['intermediates'])
     weights = variables['intermediates']['decoder']['cross_attention']['attention_weights'][0]  # [N, b, h, t, s]
     attention = jnp.mean(weights[layer], axis=1)  # [b, t, s]
-  else:
+  elif len(models) == 1:
     logits, attention = model.apply({'params': params}, inputs, targets), None  # [b, t, v]
+  else:  # log-probabilities are logits whose normaliser is 1: token_losses then reads them as they are
+    logits = search.ensemble_log_probs([m.apply({'params': p}, inputs, targets) for m, p in zip(models, member_params)])
+    attention = None
   _, nll = losses.token_losses(logits, targets, 0.0)  # [b, t]
   return -jnp.sum(jnp.where(targets != PAD_ID, nll, 0.0), axis=1), attention
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_forced_scores(model: Transformer, with_attention: bool, layer: int = -1):
+def _jitted_forced_scores(model, with_attention: bool, layer: int = -1):
   return jax.jit(functools.partial(_forced_scores, model=model, with_attention=with_attention, layer=layer))
 
 
@@ -71,96 +79,40 @@ def _words(processor, ids: list[int]) -> list[int]:
   return words
 
 
-# --- Text to batches ----------------------------------------------------------------------------
-
-def _round_up(x: int, to: int) -> int:
-  return -(-x // to) * to
-
-
-_SENTENCE_END = re.compile(r'(?<=[.!?;:])\s+')
-
-
-def encode_sentences(processor, sentences: list[str]) -> list[list[int]]:
-  """Each sentence's token ids (no EOS); a blank sentence has none."""
-  return [processor.encode(s) if s.strip() else [] for s in sentences]
-
-
-def split_at_punctuation(processor, sentence: str, limit: int) -> list[str]:
-  """`sentence` as pieces cut after sentence punctuation (. ! ? ; :) and regrouped greedily, each within
-  `limit` tokens where the punctuation allows (a piece with no such break inside stays whole, and is cut).
-
-  Each part is encoded once: a joined piece's length is its parts' plus a space's per join (SentencePiece
-  does not merge tokens across whitespace).
-  """
-  parts = _SENTENCE_END.split(sentence.strip())
-  lengths, space = [len(processor.encode(part)) for part in parts], len(processor.encode(' '))
-  pieces, current, current_length = [], parts[0], lengths[0]
-  for part, length in zip(parts[1:], lengths[1:]):
-    if current_length + space + length > limit:
-      pieces.append(current)
-      current, current_length = part, length
-    else:
-      current, current_length = f'{current} {part}', current_length + space + length
-  return pieces + [current]
-
-
-def translation_batches(encoded: list[list[int]], limit: int, eval_tokens_per_batch: int,
-                        max_batch: int = 512) -> list[tuple[list[int], np.ndarray]]:
-  """Sentences' ids (`encode_sentences`) as length-sorted batches to translate, each (its sentences'
-  indices in `encoded`, right-padded ids [rows, length] int32 ending in EOS), of about `eval_tokens_per_batch`
-  source tokens.
-
-  Sentences longer than `limit` tokens are cut to `limit` (plus EOS); empty ones are left out (they
-  translate to empty lines). Rows and lengths are rounded up to multiples of 8: a few shapes, a few
-  compilations; padding rows are all PAD_ID.
-  """
-  encoded = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
-  order = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
-  groups, current, longest = [], [], 0
-  for i in order:
-    if current and (max(longest, len(encoded[i])) * (len(current) + 1) > eval_tokens_per_batch or len(current) >= max_batch):
-      groups.append(current)
-      current, longest = [], 0
-    current.append(i)
-    longest = max(longest, len(encoded[i]))
-  if current:
-    groups.append(current)
-  batches = []
-  for indices in groups:
-    inputs = np.full((_round_up(len(indices), 8), _round_up(max(len(encoded[i]) for i in indices), 8)), PAD_ID,
-                     np.int32)  # [rows, length]
-    for row, i in enumerate(indices):
-      inputs[row, :len(encoded[i])] = encoded[i]
-    batches.append((indices, inputs))
-  return batches
-
-
 class Translator:
   """Parameters, vocabulary and decoding settings held once; see the module docstring.
 
   Args:
-    params: the model's parameters (numpy or jax arrays; placed on the devices once, here).
-    model_config: the architecture they belong to.
+    params: the model's parameters (numpy or jax arrays; placed on the devices once, here); for an ensemble,
+      a list of its members' parameters.
+    model_config: the architecture they belong to; for an ensemble, a list of its members' (any shapes that
+      share one vocabulary).
     processor: the SentencePiece vocabulary (`tokenizer.load`).
     beam_size, length_penalty_alpha: the defaults of `translate` (1 = greedy); §6.1's are 4 and 0.6.
     max_extra_length: each output may be this many tokens longer than its input (§6.1: 50).
     eval_tokens_per_batch: source tokens per translation batch.
     beam_top_k: how the beam's top-k is found ('two_stage' or 'lax'; see search.top_k; a run's is in its settings).
-    checkpoints: the checkpoint steps the parameters come from (reported only).
+    checkpoints: the checkpoint steps the parameters come from (reported only; per member for an ensemble).
     settings: the run's settings when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
-  def __init__(self, params, model_config: TransformerConfig, processor, *, beam_size: int = 4,
+  def __init__(self, params, model_config, processor, *, beam_size: int = 4,
                length_penalty_alpha: float = 0.6, max_extra_length: int = 50, eval_tokens_per_batch: int = 4096,
                beam_top_k: str = 'lax',
-               checkpoints: tuple[int, ...] = (), settings: Settings | None = None):
+               checkpoints: tuple = (), settings: Settings | None = None):
     _check_beam(beam_size, length_penalty_alpha)
     if eval_tokens_per_batch < 1:
       raise UserError(f'eval_tokens_per_batch={eval_tokens_per_batch} must be at least 1; give the source tokens '
                       f'per batch')
-    self.params = params if _on_devices(params) else jax.device_put(params)
-    self.model_config, self.processor = model_config, processor
-    self.model = Transformer(model_config)
+    ensemble = isinstance(model_config, (list, tuple))
+    configs = tuple(model_config) if ensemble else (model_config,)
+    placed = tuple(p if _on_devices(p) else jax.device_put(p) for p in (params if ensemble else [params]))
+    if len(placed) != len(configs) or not configs:
+      raise UserError(f'an ensemble needs one parameter tree per model config: got {len(placed)} and {len(configs)}')
+    models = tuple(Transformer(c) for c in configs)
+    self.model_configs, self.processor = configs, processor
+    self.model_config = configs[0]
+    self.model, self.params = (models, placed) if ensemble else (models[0], placed[0])  # what search.members takes
     self.beam_size, self.length_penalty_alpha, self.max_extra_length = beam_size, length_penalty_alpha, max_extra_length
     if beam_top_k not in platforms.TOP_K:
       raise UserError(f"beam_top_k={beam_top_k!r}: use one of {', '.join(platforms.TOP_K)}")
@@ -169,16 +121,20 @@ class Translator:
 
   @classmethod
   def from_workdir(cls, workdir: str, step: int | None = None, average_last: int | None = None,
-                   checkpoint_dir: str | None = None, **overrides) -> 'Translator':
+                   checkpoint_dir: str | None = None, *, checkpoint: str = 'last', weights: str = 'params',
+                   **overrides) -> 'Translator':
     """The model a training run (or `average`) wrote to `workdir`, any storage path the product takes.
 
-    Restores parameters only. `step`: that checkpoint alone; otherwise the mean of the last
-    `average_last` checkpoints (default: the run's config.average_last). `checkpoint_dir`: read the
-    checkpoints from there instead of the workdir's. Decoding defaults come from the run's settings unless
-    given in `overrides` (the keyword arguments of Translator).
+    Restores parameters only. `step`: that checkpoint alone; `checkpoint='best'`: the best by the run's
+    validation metric (config.keep_best); otherwise the mean of the last `average_last` checkpoints
+    (default: the run's config.average_last). `weights='ema'`: the weights' moving average (config.ema_decay)
+    instead of the trained weights. `checkpoint_dir`: read the checkpoints from there instead of the workdir's.
+    Decoding defaults come from the run's settings unless given in `overrides` (the keyword arguments of
+    Translator).
     """
-    import flax.linen as nn
-    from flax_transformer import average, checkpointing, partitioning, storage, workdirs
+    from flax_transformer import storage, weights as weights_, workdirs
+    if checkpoint not in CHECKPOINTS:
+      raise UserError(f'checkpoint={checkpoint!r}: use one of {", ".join(CHECKPOINTS)}')
     run = workdirs.read_settings(workdir)
     model_config = run.model
     processor = tokenizer.load(run.data.vocab_path or f'{workdir}/{tokenizer.VOCAB_FILENAME}', model_config.vocab_size)
@@ -186,27 +142,53 @@ class Translator:
     if checkpoint_dir and not storage.path(checkpoint_dir).is_dir():
       raise WorkdirError(f'--checkpoint_dir={checkpoint_dir} is not a folder; give the checkpoints/ folder of a run '
                          f'(or leave it out to read the workdir\'s)')
-    if step is not None:
-      steps = checkpointing.available_steps(source)
-      if step not in steps:
-        raise WorkdirError(f'no checkpoint at step {step} in {where}; available: {steps}')
-      abstract = nn.meta.unbox(partitioning.abstract_params(model_config))
-      params, chosen = checkpointing.readable_params(source, step, abstract, where), [step]
-    else:
-      count = average_last if average_last is not None else run.loop.average_last
-      params, chosen = average.averaged_params(source, count, model_config, where)
+    count = 1 if checkpoint == 'best' else average_last if average_last is not None else run.loop.average_last
+    params, chosen = weights_.chosen_params(source, model_config, count, step=step, best=checkpoint == 'best',
+                                            metric=run.loop.best_metric, weights=weights, where=where)
     d = run.decode
     defaults = {'beam_size': d.beam_size, 'length_penalty_alpha': d.length_penalty_alpha,
                 'max_extra_length': d.max_extra_length, 'eval_tokens_per_batch': d.eval_tokens_per_batch,
                 'beam_top_k': d.beam_top_k}
     return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run, **{**defaults, **overrides})
 
+  @classmethod
+  def from_workdirs(cls, workdirs: list[str], **kwargs) -> 'Translator':
+    """An ensemble of the models in `workdirs` (each read as `from_workdir` reads one, with the same keyword
+    arguments), decoded with the mean of their log-probabilities; they may differ in shape but must share the
+    vocabulary. Decoding defaults and settings come from the first. One workdir gives that model itself."""
+    workdirs = texts(workdirs, 'workdirs')
+    if not workdirs:
+      raise ArgumentError('workdirs is empty; give the workdir of at least one trained model')
+    loaded = [cls.from_workdir(w, **kwargs) for w in workdirs]
+    if len(loaded) == 1:
+      return loaded[0]
+    first = loaded[0]
+    for workdir, other in zip(workdirs[1:], loaded[1:]):
+      if other.processor.serialized_model_proto() != first.processor.serialized_model_proto():
+        sizes = (other.processor.get_piece_size(), first.processor.get_piece_size())
+        differs = f'{sizes[0]} and {sizes[1]} pieces' if sizes[0] != sizes[1] else f'{sizes[0]} pieces each, not the same'
+        raise UserError(f'{workdir} has another vocabulary than {workdirs[0]} ({differs}); an ensemble decodes one '
+                        f'vocabulary: train its models with --config.vocab_path set to one sentencepiece.model')
+    return cls([t.params for t in loaded], [t.model_config for t in loaded], first.processor,
+               beam_size=first.beam_size, length_penalty_alpha=first.length_penalty_alpha,
+               max_extra_length=first.max_extra_length, eval_tokens_per_batch=first.eval_tokens_per_batch,
+               beam_top_k=first.beam_top_k, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
+
+  @property
+  def ensemble(self) -> bool:
+    return len(self.model_configs) > 1
+
   # --- Text in, text out --------------------------------------------------------------
+
+  @property
+  def max_positions(self) -> int:
+    """Positions every model of the ensemble (or the model) takes."""
+    return min(c.max_positions for c in self.model_configs)
 
   @property
   def max_source_tokens(self) -> int:
     """Source tokens the model takes, with the end-of-sentence token added."""
-    return self.model_config.max_positions - 1
+    return self.max_positions - 1
 
   def encode(self, sentences: list[str]) -> list[list[int]]:
     """Each sentence's token ids (no EOS; a blank sentence has none)."""
@@ -271,6 +253,9 @@ class Translator:
     layer is the penultimate, whose attention aligns best (Garg et al., 2019, "Jointly Learning to Align
     and Translate with Transformer Models"; on a Multi30k model the last layer's links lag a word behind).
     """
+    if self.ensemble:
+      raise UserError('alignments come from one model\'s cross-attention; an ensemble has several: align with one '
+                      'of its workdirs')
     layers = self.model_config.num_decoder_layers
     layer = (layers - 2 if layers > 1 else 0) if layer is None else layer
     if not -layers <= layer < layers:
@@ -297,7 +282,7 @@ class Translator:
     for indices, inputs in batches:
       if should_stop and should_stop():
         return None
-      max_output_length = search.decode_length(inputs.shape[1], self.max_extra_length, self.model_config.max_positions)
+      max_output_length = search.decode_length(inputs.shape[1], self.max_extra_length, self.max_positions)
       translate = search.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_output_length,
                                           self.beam_top_k, num_results)
       tokens, scores = jax.device_get(translate(self.params, inputs))

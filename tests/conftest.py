@@ -126,13 +126,13 @@ def subprocess_env(devices=1):
   return dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=count + COMPILE_FLAGS)
 
 
-TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4',)
+TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4', '--config.ema_decay=0.9')
 
 
 @pytest.fixture(scope='session')
 def trained_run(tmp_path_factory):
   """(workdir, corpus directory) of one 12-step train.py run (train_command(..., TRAINED_STEPS, *TRAINED_FLAGS):
-  checkpoints 3, 6, 9, 12; one loss a step), built once per pytest run and shared by every worker; tests copy
+  checkpoints 3, 6, 9, 12, each with the weights' moving average; one loss a step), built once per pytest run and shared by every worker; tests copy
   the workdir before they change it."""
   from tests.helpers.corpus import write_corpus
   with _once_per_run(tmp_path_factory, 'trained_run') as (directory, build):

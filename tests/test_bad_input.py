@@ -88,6 +88,15 @@ def _corpus_variants(p):
     f.write(whole[:len(whole) // 2])
 
 
+def _other_vocabulary(workdir):
+  """The workdir's vocabulary replaced by one trained on other text (same size)."""
+  import numpy as np
+  from flax_transformer import tokenizer
+  rng = np.random.default_rng(0)
+  lines = [' '.join(''.join(rng.choice(list('qwxzjkvy'), rng.integers(2, 6))) for _ in range(8)) for _ in range(300)]
+  tokenizer.train_sentencepiece(zip(lines, lines[::-1]), f'{workdir}/sentencepiece.model', 64)
+
+
 def _another_model(p):
   """A workdir whose config.json is gone and whose checkpoints hold a model of another width."""
   os.remove(f'{p["C"]}/config.json')
@@ -152,6 +161,20 @@ CASES = [
     Case('translate_checkpoint_dir_empty', ('translate', '--workdir={W}', '--input={T}/in.txt',
          '--checkpoint_dir={T}/empty'), 1, 'error: --checkpoint_dir={T}/empty holds no checkpoint',
          prepare=_empty_folder('{T}/empty')),
+    Case('translate_the_moving_average_of_a_run_without_one', ('translate', '--workdir={A}', '--input={T}/in.txt',
+         '--weights=ema'), 1, f'error: checkpoint {TRAINED_STEPS} in {{A}} holds no moving average of the weights',
+         unchanged=('{A}',)),
+    Case('translate_the_best_checkpoint_of_a_run_that_ranked_none', ('translate', '--workdir={W}', '--input={T}/in.txt',
+         '--checkpoint=best'), 1, 'error: {W} holds no checkpoint ranked by validation bleu; train with '
+         '--config.keep_best=K'),
+    Case('translate_an_ensemble_of_two_vocabularies', ('translate', '--workdir={W},{C}', '--input={T}/in.txt'), 1,
+         'error: {C} has another vocabulary than {W} (', prepare=lambda p: _other_vocabulary(p['C'])),
+    Case('translate_an_ensemble_with_alignments', ('translate', '--workdir={W},{W}', '--input={T}/in.txt',
+         '--alignment'), 1, 'error: --alignment reads one model and --workdir={W},{W} names 2; give one workdir'),
+    Case('average_last_and_best_together', ('average', '--workdir={W}', '--output={T}/avg', '--last=2', '--best=2'),
+         1, 'error: --last=2 and --best=2 choose different checkpoints; give one of them'),
+    Case('train_best_by_bleu_without_a_bleu_sample', _train('--config.keep_best=2'), 1,
+         "error: config.best_metric='bleu' but config.num_eval_bleu_sentences=0 computes no BLEU"),
     # export and average: never onto, into or around the workdir
     Case('export_over_the_workdir', ('export', '--workdir={W}', '--output={W}', '--overwrite'), 1,
          'error: --output={W} is the workdir {W}, which this program reads'),

@@ -1,4 +1,4 @@
-"""Orbax checkpoints: parameters saved and restored, recovery that moves aside only damage, and a whole
+"""Orbax checkpoints: the train state saved and restored, recovery that moves aside only damage, and a whole
 checkpoint of another kind (parameters only, another model) refused without being touched."""
 
 import dataclasses
@@ -9,21 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import checkpointing, partitioning, settings, train_state
+from flax_transformer import checkpointing, partitioning, settings, train_state, weights
 from flax_transformer.model import Transformer
-
-
-def test_averaging_checkpoints(tmp_path):
-  a = {'w': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.ones(3, np.float32)}
-  b = {'w': np.full((2, 3), 4.0, np.float32), 'b': np.zeros(3, np.float32)}
-  same = checkpointing.average_params([a, a, a])
-  np.testing.assert_array_equal(same['w'], a['w'])
-  mean = checkpointing.average_params([a, b])
-  np.testing.assert_allclose(mean['w'], (a['w'] + b['w']) / 2)
-  np.testing.assert_allclose(mean['b'], 0.5)
-  checkpointing.save_params(str(tmp_path / 'checkpoints'), 7, mean)
-  restored = checkpointing.restore_params(str(tmp_path), 7, mean)
-  np.testing.assert_allclose(np.asarray(restored['w']), mean['w'])
 
 
 def test_restore_moves_aside_only_damage_and_stops_when_every_checkpoint_is_damaged(tiny_config, tmp_path, monkeypatch):
@@ -63,7 +50,7 @@ def test_a_checkpoint_of_another_kind_is_refused_not_set_aside(small_model_confi
   model = Transformer(small_model_config)
   ids = np.ones((1, 3), np.int32)
   params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids)['params'])
-  checkpointing.save_params(str(tmp_path / 'checkpoints'), 5, params, averaged_steps=[4, 5])
+  weights.save_params(str(tmp_path / 'checkpoints'), 5, params, averaged_steps=[4, 5])
   step = tmp_path / 'checkpoints' / '5'
   assert checkpointing.saved_items(step) == ['params']
   checkpointing.check_kind(step, params, False, tmp_path)  # parameters are what translation needs
@@ -74,5 +61,5 @@ def test_a_checkpoint_of_another_kind_is_refused_not_set_aside(small_model_confi
   other = nn.meta.unbox(partitioning.abstract_params(wider))
   with pytest.raises(checkpointing.CheckpointOfAnotherKind, match=r'holds another model \(parameter '
                      r'decoder/feed_forward/wi_bias of shape \(2, 64\) where this model has it of shape \(2, 128\)\)'):
-    checkpointing.restore_params(str(tmp_path), 5, other)
+    weights.restore_params(str(tmp_path), 5, other)
   assert checkpointing.available_steps(str(tmp_path)) == [5]  # left where it is

@@ -232,3 +232,18 @@ def test_installed_commands_are_the_scripts(tmp_path):
   assert script.returncode == command.returncode == 1
   assert script.stderr.splitlines()[-1] == command.stderr.splitlines()[-1] == \
       'error: --beam_size=0 must be at least 1 (1 = greedy search)'
+
+
+def test_an_ensemble_of_a_run_with_itself_and_its_moving_average_translate(trained, tmp_path):
+  """--workdir=W,W decodes as W alone (two copies of one model); --weights=ema translates with the moving
+  average, which the shared run keeps."""
+  workdir, _ = trained
+  source = tmp_path / 'in.txt'
+  source.write_text('the cat sat on the mat\nred house\na dog runs fast\n')
+  outputs = {}
+  for name, flags in (('one', [f'--workdir={workdir}']), ('two', [f'--workdir={workdir},{workdir}']),
+                      ('ema', [f'--workdir={workdir}', '--weights=ema'])):
+    result = programs.run(translate_command.main, ['translate.py', *flags, f'--input={source}'])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    outputs[name] = result.stdout.decode().splitlines()
+  assert outputs['two'] == outputs['one'] and len(outputs['ema']) == 3

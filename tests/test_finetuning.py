@@ -14,7 +14,7 @@ from tests.helpers.corpus import write_corpus
 @pytest.mark.slow
 def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
   from flax_transformer import settings, workdirs
-  from flax_transformer import checkpointing, input_pipeline, partitioning, steps, tokenizer
+  from flax_transformer import checkpointing, input_pipeline, partitioning, steps, tokenizer, weights
   from flax_transformer.startup import data_seed
   source, _ = trained_run
   corpus, workdir = tmp_path / 'corpus', tmp_path / 'tuned'
@@ -34,7 +34,7 @@ def test_fine_tuning_starts_from_the_source_models_loss(trained_run, tmp_path):
   config = workdirs.read_config(str(workdir))
   model_config = settings.model_settings(config)
   import flax.linen as nn
-  params = checkpointing.restore_params(source, 9, nn.meta.unbox(partitioning.abstract_params(model_config)))
+  params = weights.restore_params(source, 9, nn.meta.unbox(partitioning.abstract_params(model_config)))
   batches = input_pipeline.process_train_batches(settings.resolve(config).data, str(workdir / tokenizer.VOCAB_FILENAME), workdir, (0,), 1,
                                                  data_seed(config.seed, 0), None)
   sums = steps.eval_step(params, next(iter(batches)), model_config=model_config,

@@ -15,7 +15,7 @@ def test_the_loops_order_keeps_every_declared_rule_and_a_swap_that_breaks_one_is
   hooks.check_order(list(train_loop.ORDER))
   rules = [(i, j) for i, j in itertools.combinations(range(len(train_loop.ORDER)), 2)
            if train_loop.ORDER[i].name in train_loop.ORDER[j].after]
-  assert len(rules) >= 5  # signals -> guard -> progress; signals, guard -> checkpoint -> evaluation -> late stop
+  assert len(rules) >= 7  # signals -> guard -> progress; guard -> evaluation -> early stopping -> checkpoint -> late stop
   for i, j in rules:
     swapped = list(train_loop.ORDER)
     swapped[i], swapped[j] = swapped[j], swapped[i]
@@ -32,7 +32,7 @@ class _Saves:
   def check(self):
     pass
 
-  def save(self, step, state, data_state):
+  def save(self, step, state, data_state, metrics=None):
     self.steps.append(step)
 
   def finish(self):

@@ -15,7 +15,7 @@ import pytest
 from jax.experimental import mesh_utils
 
 from flax_transformer import settings, train_state
-from flax_transformer import checkpointing, partitioning, steps
+from flax_transformer import checkpointing, partitioning, steps, weights
 from flax_transformer.errors import ConfigError
 from flax_transformer.model import TransformerConfig
 from tests.helpers import multihost_worker
@@ -59,7 +59,7 @@ def test_checkpoint_from_one_mesh_restores_on_others(tiny_config, small_model_co
       np.testing.assert_array_equal(a, b)
   manager.close()
   abstract = nn.meta.unbox(partitioning.abstract_params(small_model_config))
-  params_only = checkpointing.restore_params(str(tmp_path), 0, abstract)  # what translate.py does
+  params_only = weights.restore_params(str(tmp_path), 0, abstract)  # what translate.py does
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(expected),
                                                    jax.tree_util.tree_leaves(jax.device_get(params_only))))
 

@@ -168,3 +168,68 @@ def test_blocked_top_k_equals_lax_top_k(ties, width):
   expected_values, expected_indices = jax.lax.top_k(x, 8)
   np.testing.assert_array_equal(values, expected_values)
   np.testing.assert_array_equal(indices, expected_indices)
+
+
+def test_a_two_model_beam_search_finds_the_brute_force_optimum_of_the_ensemble():
+  """Two tiny Transformers of different shapes: the ensemble's beam search (wide enough to be exhaustive) returns
+  the sequence whose length-penalised sum of ensemble log-probabilities (the renormalised mean of the two models'
+  log-probabilities, each from its own teacher-forced pass) is the best of every sequence up to the length limit."""
+  from flax_transformer.model import TransformerConfig
+  vocab, alpha, extra = 6, 0.6, 2
+  configs = [TransformerConfig(vocab_size=vocab, d_model=d, num_heads=h, d_ff=2 * d, num_encoder_layers=1,
+                               num_decoder_layers=layers, max_positions=16, share_embeddings=False, dropout_rate=0.0)
+             for d, h, layers in ((16, 2, 2), (8, 1, 1))]
+  inputs = np.array([[3, 1], [5, 1]], np.int32)  # one token and EOS: at most 2 + 2 output tokens
+  models = tuple(Transformer(c) for c in configs)
+  params = tuple(nn.meta.unbox(m.init(jax.random.key(i + 7), inputs, inputs)['params']) for i, m in enumerate(models))
+  tokens, scores = search.jitted_translate(models, (vocab - 2) ** 3, alpha, extra, 4)(params, inputs)
+  max_length = 2 + extra
+  for row in range(len(inputs)):
+    candidates = [list(seq) + [last] for length in range(1, max_length + 1)
+                  for seq in itertools.product(range(2, vocab), repeat=length - 1)
+                  for last in range(1, vocab) if length == max_length or last == 1]
+    targets = np.zeros((len(candidates), max_length), np.int32)
+    for i, candidate in enumerate(candidates):
+      targets[i, :len(candidate)] = candidate
+    source = np.repeat(inputs[row:row + 1], len(candidates), axis=0)
+    logs = [jax.nn.log_softmax(np.asarray(m.apply({'params': p}, source, targets), np.float64), axis=-1)
+            for m, p in zip(models, params)]
+    q = np.asarray(jax.nn.log_softmax((np.asarray(logs[0]) + np.asarray(logs[1])) / 2, axis=-1))
+    totals = [sum(q[i, t, y] for t, y in enumerate(c)) / ((5 + len(c)) / 6) ** alpha for i, c in enumerate(candidates)]
+    best = int(np.argmax(totals))
+    assert [int(t) for t in tokens[row] if t] == candidates[best]
+    np.testing.assert_allclose(float(scores[row]), totals[best], rtol=1e-4)
+
+
+def _teacher_forced_scores(model, params, inputs, tokens, alpha):
+  """Length-penalised log p(tokens [b, k, L] | inputs [b, s]) of each hypothesis, under teacher forcing."""
+  b, k, length = tokens.shape
+  flat, sources = tokens.reshape(b * k, length), np.repeat(inputs, k, axis=0)
+  log_probs = jax.nn.log_softmax(model.apply({'params': params}, sources, flat).astype(jnp.float32))  # [bk, L, v]
+  chosen = np.take_along_axis(np.asarray(log_probs), flat[:, :, None], axis=2)[:, :, 0]
+  lengths = (flat > 0).sum(1)
+  return (np.where(flat > 0, chosen, 0.0).sum(1) / ((5.0 + lengths) / 6.0) ** alpha).reshape(b, k)
+
+
+def test_every_hypothesis_of_the_k_best_scores_its_own_tokens_under_teacher_forcing(small_model_config):
+  """Whatever the cache layout, each of the beam's k = n returned hypotheses must score what the model gives
+  its own tokens: a hypothesis that read another's keys and values (a wrong ancestry) scores otherwise. The
+  beams here diverge and reorder; a search that never reorders its cache fails this check."""
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  inputs = random_batch(np.random.default_rng(1), 8, 7, 5, config.vocab_size)['inputs']
+  model, n, alpha = Transformer(config), 4, 0.6
+  params = nn.meta.unbox(model.init(jax.random.key(5), inputs, inputs)['params'])
+  tokens, scores = search.jitted_translate(model, n, alpha, 6, 16, num_results=n)(params, inputs)
+  np.testing.assert_allclose(np.asarray(scores), _teacher_forced_scores(model, params, inputs, np.asarray(tokens), alpha),
+                             rtol=1e-4, atol=1e-4)
+
+  def stale(params, inputs):  # every hypothesis keeps the ancestry of the row it sits in
+    encoded = model.apply({'params': params}, inputs, method=model.encode)
+    cache = model.apply({'params': params}, encoded, n, 16, method=model.init_cache)
+    step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
+    return search.beam_search(step, cache, inputs.shape[0], jnp.sum(inputs > 0, 1) + 6, 16, n, alpha,
+                              reorder_cache=lambda c, rows: c, num_results=n)
+  tokens, scores = jax.jit(stale)(params, inputs)
+  wrong = ~np.isclose(np.asarray(scores), _teacher_forced_scores(model, params, inputs, np.asarray(tokens), alpha),
+                      rtol=1e-4, atol=1e-4)
+  assert wrong.sum() >= 0.25 * wrong.size, wrong.sum()

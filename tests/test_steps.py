@@ -16,7 +16,8 @@ def make_step(config, model_config, mesh):
   state, shardings = train_state.create_train_state(model_config, settings.resolve(config).optimizer, mesh,
                                                      jax.random.key(config.seed, impl=config.dropout_rng_impl))
   step = functools.partial(steps.train_step, model_config=model_config, label_smoothing=config.label_smoothing,
-                           gradient_accumulation_steps=config.gradient_accumulation_steps)
+                           gradient_accumulation_steps=config.gradient_accumulation_steps,
+                           ema_decay=config.ema_decay)
   return state, partitioning.jit_train_step(step, mesh, shardings)
 
 
@@ -42,6 +43,29 @@ def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
   assert losses[-1] < 0.02 * losses[0]  # seen: 0.002 with either ISA
   assert int(state.step) == 200
   assert train_step.jitted._cache_size() == 1  # one compilation for one batch shape
+
+
+def test_the_weights_moving_average_is_the_closed_form(tiny_config, np_rng):
+  """With decay d, after k steps from the initial weights p_0: ema_k = d^k p_0 + (1 - d) Σ_i d^(k-i) p_i, the
+  p_i being the weights after step i; sharded like the parameters, on a 4-device mesh."""
+  tiny_config.ema_decay, k = 0.8, 5
+  model_config = settings.model_settings(tiny_config)
+  mesh = partitioning.create_mesh((4, 1, 1), jax.devices()[:4])
+  state, train_step = make_step(tiny_config, model_config, mesh)
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda e, p: e.sharding == p.sharding, state.ema_params,
+                                                        state.params))
+  weights = [jax.device_get(state.params)]
+  for i in range(k):
+    state, _ = train_step(state, random_batch(np_rng, 8, 7, 6, model_config.vocab_size), jax.random.key(0))
+    weights.append(jax.device_get(state.params))
+  d = tiny_config.ema_decay
+  expected = jax.tree_util.tree_map(lambda *p: d ** k * p[0] + (1 - d) * sum(d ** (k - i) * p[i] for i in range(1, k + 1)),
+                                    *weights)
+  for name, got, want in zip(jax.tree_util.tree_leaves_with_path(state.ema_params), jax.tree_util.tree_leaves(state.ema_params),
+                             jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(name[0]))
+  assert not np.allclose(np.asarray(jax.tree_util.tree_leaves(state.ema_params)[0]),
+                         jax.tree_util.tree_leaves(state.params)[0])  # the average lags the weights
 
 
 @pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (8, 1, 1)])

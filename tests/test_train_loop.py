@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 
+import flax.linen as nn
 import jax
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from tools import compare_runs
-from flax_transformer import checkpointing, hooks, metrics_log, saver, train_loop
+from flax_transformer import checkpointing, hooks, metrics_log, partitioning, saver, train_loop, validation, weights, workdirs
 from flax_transformer.errors import WorkdirError
 from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, subprocess_env, train_command
 from tests.helpers.corpus import write_corpus
@@ -47,8 +49,8 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
   config.eval_every_steps = 3
   workdir = str(tmp_path / 'work')
   built = []
-  monkeypatch.setattr(hooks.token_table, 'eval_batches',
-                      lambda *args, f=hooks.token_table.eval_batches: built.append(args) or f(*args))
+  monkeypatch.setattr(validation.token_table, 'eval_batches',
+                      lambda *args, f=validation.token_table.eval_batches: built.append(args) or f(*args))
   result = train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
   with open(os.path.join(workdir, metrics_log.METRICS_FILENAME)) as f:
@@ -72,7 +74,7 @@ def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
   config.num_train_steps = 3
   # mock_data patches file I/O in a way Orbax cannot write through: record the saves instead.
   saved = []
-  monkeypatch.setattr(checkpointing, 'save_state', lambda manager, state, data: saved.append(int(state.step)))
+  monkeypatch.setattr(checkpointing, 'save_state', lambda manager, state, *data: saved.append(int(state.step)))
   with tfds.testing.mock_data(num_examples=30, policy=tfds.testing.MockPolicy.USE_CODE):
     result = train_loop.train_and_evaluate(config, str(tmp_path / 'wmt'), one_device())
   assert saved == [3] and result['step'] == 3 and result['eval']['tokens'] > 0
@@ -117,6 +119,10 @@ def test_exact_resume_after_sigkill(trained_run, tmp_path):
   assert sorted(expected) == list(range(1, steps + 1))
   for step in range(restored_from + 1, steps + 1):  # every step after the restored checkpoint, bitwise
     assert resumed[step] == expected[step], (step, resumed[step], expected[step])
+  abstract = nn.meta.unbox(partitioning.abstract_params(workdirs.read_settings(reference).model))
+  for kind in ('params', 'ema'):  # the weights and their moving average, bitwise
+    ours, theirs = (jax.device_get(weights.restore_params(w, steps, abstract, weights=kind)) for w in (killed, reference))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(theirs)))
 
 
 @pytest.mark.slow
@@ -245,10 +251,10 @@ def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tm
   config = small_run(tiny_config, tmp_path)
   original = checkpointing.save_state
 
-  def disk_full_after_first(manager, state, data_state):
+  def disk_full_after_first(manager, state, data_state, metrics=None):
     if int(state.step) > 3:
       raise OSError(28, 'No space left on device')
-    original(manager, state, data_state)
+    original(manager, state, data_state, metrics)
 
   monkeypatch.setattr(checkpointing, 'save_state', disk_full_after_first)
   with pytest.raises(saver.CheckpointSaveFailed, match='saving the checkpoint at step 6 .* No space left'):

@@ -6,10 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer import search, steps, tokenizer
+from flax_transformer import search, sentences, steps, tokenizer
 from flax_transformer.errors import UserError
 from flax_transformer.model import Transformer, TransformerConfig
-from flax_transformer import translator as translator_module
 from flax_transformer.translator import Translator
 from tests.helpers.corpus import write_corpus
 
@@ -130,7 +129,48 @@ def test_split_pieces_stay_within_the_limit():
     encode = staticmethod(lambda text: list(text))
 
   sentence = 'One two. Three four five! Six? Seven eight nine ten.'
-  pieces = translator_module.split_at_punctuation(Characters, sentence, 20)
+  pieces = sentences.split_at_punctuation(Characters, sentence, 20)
   assert ' '.join(pieces) == sentence
   assert pieces == ['One two.', 'Three four five!', 'Six?', 'Seven eight nine ten.']
-  assert translator_module.split_at_punctuation(Characters, sentence, 100) == [sentence]
+  assert sentences.split_at_punctuation(Characters, sentence, 100) == [sentence]
+
+
+def _member(translator, seed: int, **changes):
+  """Another model over the translator's vocabulary: `changes` to its config, weights from `seed`."""
+  import dataclasses
+  config = dataclasses.replace(translator.model_config, **changes)
+  dummy = np.ones((1, 4), np.int32)
+  return nn.meta.unbox(Transformer(config).init(jax.random.key(seed), dummy, dummy)['params']), config
+
+
+def test_an_ensemble_of_one_is_the_model_and_of_two_copies_decodes_as_one(translator):
+  options = {'beam_size': 2, 'length_penalty_alpha': 0.6, 'max_extra_length': 4}
+  one = Translator([translator.params], [translator.model_config], translator.processor, **options)
+  assert one.translate(LINES) == translator.translate(LINES)
+  assert one.score(LINES, TARGETS) == translator.score(LINES, TARGETS)
+  two = Translator([translator.params] * 2, [translator.model_config] * 2, translator.processor, **options)
+  assert two.translate(LINES) == translator.translate(LINES)
+  assert two.translate(LINES, beam_size=1) == translator.translate(LINES, beam_size=1)  # greedy
+  assert [[t for t, _ in h] for h in two.n_best(LINES, 2)] == [[t for t, _ in h] for h in translator.n_best(LINES, 2)]
+  np.testing.assert_allclose(two.score(LINES, TARGETS), translator.score(LINES, TARGETS), rtol=1e-5, atol=1e-5)
+
+
+def test_an_ensemble_of_two_models_scores_the_mean_of_their_log_probabilities(translator):
+  """Two models of different shapes over one vocabulary: each pair's score is Σ_t log q(y_t), q the renormalised
+  mean of the two models' log-probabilities, computed here in numpy from each model's own teacher-forced logits."""
+  other, other_config = _member(translator, 11, d_model=32, num_heads=4, d_ff=48, num_decoder_layers=1)
+  ensemble = Translator([translator.params, other], [translator.model_config, other_config], translator.processor,
+                        beam_size=2, length_penalty_alpha=0.6, max_extra_length=4)
+  sources, targets = LINES[:4], TARGETS[:4]
+  encode = lambda texts: [translator.processor.encode(t) + [1] for t in texts]
+  expected = []
+  for source, target in zip(encode(sources), encode(targets)):
+    logs = [jax.nn.log_softmax(np.asarray(Transformer(c).apply({'params': p}, np.array([source]), np.array([target])),
+                                          np.float64)[0], axis=-1)
+            for p, c in ((translator.params, translator.model_config), (other, other_config))]
+    q = jax.nn.log_softmax((np.asarray(logs[0]) + np.asarray(logs[1])) / 2, axis=-1)
+    expected.append(float(sum(q[t, y] for t, y in enumerate(target))))
+  np.testing.assert_allclose(ensemble.score(sources, targets), expected, rtol=1e-4)
+  assert ensemble.translate(LINES) != translator.translate(LINES)  # the second model changes the search
+  with pytest.raises(UserError, match='alignments come from one model'):
+    ensemble.alignments(sources, targets)

@@ -34,6 +34,23 @@ def argv_value(argv: list[str], name: str) -> str | None:
   return None
 
 
+def define_weights(flag_values, best: bool = False) -> None:
+  """The flags that choose a model's weights, alike in every program that reads a trained model: --weights
+  (the trained weights, or their moving average) and --checkpoint (the newest, averaged, or the best by
+  validation metric); with `best`, --best=K instead (average's K best)."""
+  from absl import flags
+  flags.DEFINE_enum('weights', 'params', ['params', 'ema'], "'params': the trained weights; 'ema': their moving "
+                    'average (a run with config.ema_decay > 0).', flag_values=flag_values)
+  if best:
+    flags.DEFINE_integer('best', None, "Average the K best checkpoints by the run's validation metric "
+                         '(config.best_metric; a run with config.keep_best) instead of the last.',
+                         flag_values=flag_values)
+  else:
+    flags.DEFINE_enum('checkpoint', 'last', ['last', 'best'], "'last': the newest checkpoints, averaged as the run "
+                      "says (or --step, --average_last); 'best': the best one by the run's validation metric "
+                      '(config.best_metric; a run with config.keep_best).', flag_values=flag_values)
+
+
 def error_line(message: str) -> int:
   """Prints `error: message` (one line) on stderr after whatever stdout holds; returns the error status."""
   sys.stdout.flush()

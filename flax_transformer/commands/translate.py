@@ -1,9 +1,10 @@
 """Translate with a trained model: python translate.py --workdir=DIR --input=FILE|- [--output=FILE] [--reference=FILE]
 
 Restores parameters only (no optimizer state), averaged over the config's `average_last` checkpoints
-unless --step or --average_last says otherwise, and decodes with the config's beam search defaults (beam
-4, α 0.6, max length = input + 50 for the paper configs) through `flax_transformer.Translator`. Writes one
-line per input line, in input order:
+unless --step, --average_last or --checkpoint=best says otherwise (--weights=ema: the weights' moving
+average); --workdir=A,B decodes with an ensemble of the runs' models. Decodes with the config's beam search
+defaults (beam 4, α 0.6, max length = input + 50 for the paper configs) through `flax_transformer.Translator`.
+Writes one line per input line, in input order:
   (default)      the translation; with --alignment, `translation ||| 0-0 1-2 ...` (Pharaoh word alignment)
   --n_best=K     a JSON object {"n": line number from 0, "hypotheses": [{"text", "score"}, ...]}
   --score        log p(reference line | input line), with --reference (and --alignment: `score ||| links`)
@@ -26,7 +27,8 @@ def define(flag_values, argv) -> None:
   from absl import flags
   define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
       name, default, help_string, flag_values=flag_values, **kw)
-  define('string', 'workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/).')
+  define('string', 'workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/); several '
+         'separated by commas decode as an ensemble (the mean of their log-probabilities).')
   define('string', 'checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
   define('integer', 'step', None, 'Use this checkpoint step alone.')
   define('integer', 'average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
@@ -51,6 +53,8 @@ def define(flag_values, argv) -> None:
   define('bool', 'lowercase', False, 'Case-insensitive BLEU.')
   define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
          'punctuation, instead of cutting them (a warning counts them either way).')
+  from flax_transformer import commands
+  commands.define_weights(flag_values)
 
 
 STREAM_LINES = 256  # the most stdin lines translated together
@@ -74,6 +78,11 @@ def check_flags(f) -> None:
     raise UserError('--score and --n_best write different outputs; choose one')
   if f.stream_wait < 0:
     raise UserError(f'--stream_wait={f.stream_wait} must be 0 or more seconds')
+  if len(workdirs(f)) > 1 and (f.alignment or f.checkpoint_dir):
+    flag = '--alignment' if f.alignment else '--checkpoint_dir'
+    raise UserError(f'{flag} reads one model and --workdir={f.workdir} names {len(workdirs(f))}; give one workdir')
+  if f.checkpoint == 'best' and f.step is not None:
+    raise UserError(f'--checkpoint=best and --step={f.step} choose different checkpoints; give one of them')
   for name in ('input', 'reference'):
     path = getattr(f, name)
     if path and path != '-':
@@ -85,10 +94,16 @@ def check_flags(f) -> None:
     storage.check_writable(storage.path(f.output).parent, 'the folder of --output', 'choose another --output')
 
 
+def workdirs(f) -> list[str]:
+  """--workdir's workdirs: one, or an ensemble's."""
+  return [w for w in f.workdir.split(',') if w] if f.workdir else []
+
+
 def reads(f, vocabulary: str = '') -> dict:
   """What translate reads, none of which --output may be, hold or sit inside."""
-  return {'the workdir': f.workdir, 'the checkpoint folder': f.checkpoint_dir, 'the input': f.input,
-          'the reference': f.reference, 'the vocabulary': vocabulary}
+  named = {'the workdir' if i == 0 else f'the workdir {w}': w for i, w in enumerate(workdirs(f))}
+  return {**named, 'the checkpoint folder': f.checkpoint_dir, 'the input': f.input, 'the reference': f.reference,
+          'the vocabulary': vocabulary}
 
 
 def stdin_chunks(wait: float):
@@ -168,7 +183,11 @@ def translate(f) -> None:
     raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
   overrides = {'eval_tokens_per_batch': f.eval_tokens_per_batch} if f.eval_tokens_per_batch else {}
-  translator = Translator.from_workdir(f.workdir, f.step, f.average_last, f.checkpoint_dir, **overrides)
+  chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
+  if len(workdirs(f)) > 1:
+    translator = Translator.from_workdirs(workdirs(f), **chosen, **overrides)
+  else:
+    translator = Translator.from_workdir(f.workdir, checkpoint_dir=f.checkpoint_dir, **chosen, **overrides)
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
   print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
