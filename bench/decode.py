@@ -5,13 +5,26 @@ python bench/decode.py   (tiny shape: vocab 8192, d_model 256, 3+3 layers, 4 hea
 64 sources of 20 tokens, exactly 40 generated tokens per sentence, EOS disabled)
 Prints a markdown table (with each decoder's model GFLOP/s as a fraction of the same run's 2048³ matmul, and the
 sentences/s it would reach at that peak); the last line is one JSON object.
+
+python bench/decode.py --against=REV [--rounds=7]
+The beam-4 search of this tree against the package at git revision REV (imported beside it, in this process),
+and REV's search with its cache never reordered (timing only: wrong translations), on the same weights and
+sources, alternating round by round; medians and per-round ratios.
+
+python bench/decode.py --workdir=RUN --sentences=FILE [--rounds=3]
+Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 through
+the Translator, and with the same weights exported to CTranslate2 float32, beam 4, alternating.
 """
 
+import argparse
 import functools
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,7 +135,131 @@ def time_it(fn, *args, repeats=5):
   return statistics.median(times)
 
 
+def package_at(revision: str):
+  """The flax_transformer package as it was at git `revision`, importable beside this tree's as
+  `baseline_flax_transformer` (its own imports renamed); returns that package's (model, search) modules."""
+  directory = tempfile.mkdtemp(prefix='decode_baseline_')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  archive = subprocess.run(['git', 'archive', revision, 'flax_transformer'], cwd=root, check=True,
+                           capture_output=True).stdout
+  subprocess.run(['tar', '-x', '-C', directory], input=archive, check=True)
+  package = os.path.join(directory, 'baseline_flax_transformer')
+  os.rename(os.path.join(directory, 'flax_transformer'), package)
+  for folder, _, names in os.walk(package):
+    for name in (n for n in names if n.endswith('.py')):
+      path = os.path.join(folder, name)
+      with open(path) as f:
+        text = re.sub(r'\bflax_transformer\b', 'baseline_flax_transformer', f.read())
+      with open(path, 'w') as f:
+        f.write(text)
+  sys.path.insert(0, directory)
+  import importlib
+  return importlib.import_module('baseline_flax_transformer.model'), importlib.import_module('baseline_flax_transformer.search')
+
+
+def alternating(runs: dict, args: tuple, rounds: int) -> dict[str, list[float]]:
+  """Each run once per round, in turn, for `rounds` rounds (after one warm-up call each): name -> seconds."""
+  for fn in runs.values():
+    jax.block_until_ready(fn(*args))
+  seconds = {name: [] for name in runs}
+  for _ in range(rounds):
+    for name, fn in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      seconds[name].append(time.perf_counter() - start)
+  return seconds
+
+
+def against(revision: str, rounds: int):
+  """This tree's beam 4 vs REV's, and REV's without reordering its cache, alternating."""
+  import dataclasses
+  old_model, old_search = package_at(revision)
+  old = old_model.Transformer(old_model.TransformerConfig(**dataclasses.asdict(CONFIG)))
+  model = Transformer(CONFIG)
+  rng = np.random.default_rng(0)
+  inputs = jnp.asarray(rng.integers(3, CONFIG.vocab_size, (BATCH, SOURCE_LENGTH)), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), inputs[:1], inputs[:1])['params'])
+
+  def old_cached(params, inputs, reorder):
+    encoded = old.apply({'params': params}, inputs, method=old.encode)
+    cache = old.apply({'params': params}, encoded, 4, OUTPUT_LENGTH, method=old.init_cache)
+    step = lambda ids, c: old.apply({'params': params}, ids, inputs, c, method=old.decode_step)
+    return old_search.beam_search(no_eos(step), cache, BATCH, jnp.full((BATCH,), OUTPUT_LENGTH), OUTPUT_LENGTH, 4,
+                                  reorder_cache=reorder, beam_top_k=TOP_K)[0]
+  runs = {'this tree': jax.jit(functools.partial(cached, model=model, beam_size=4)),
+          f'{revision}': jax.jit(functools.partial(old_cached, reorder=type(old).reorder_cache)),
+          f'{revision}, cache never reordered (the copy\'s ceiling; wrong output)':
+              jax.jit(functools.partial(old_cached, reorder=lambda c, rows: c))}
+  same = np.mean(np.all(np.asarray(runs['this tree'](params, inputs)) == np.asarray(runs[revision](params, inputs)), 1))
+  seconds = alternating(runs, (params, inputs), rounds)
+  base = seconds['this tree']
+  print(f'beam 4, {BATCH} sentences x {OUTPUT_LENGTH} tokens, {rounds} alternating rounds; the same translations as '
+        f'{revision} for {same:.0%} of the sentences\n')
+  print('| search | sentences/s (median) | this tree / it, per round (min-median-max) |\n|---|---|---|')
+  for name, times in seconds.items():
+    ratios = sorted(t / b for t, b in zip(times, base))
+    print(f'| {name} | {BATCH / statistics.median(times):,.1f} | {ratios[0]:.2f}-{statistics.median(ratios):.2f}-'
+          f'{ratios[-1]:.2f}x |')
+  print(json.dumps({name: round(BATCH / statistics.median(times), 1) for name, times in seconds.items()}))
+
+
+def real_sentences(workdir: str, sentences_path: str, rounds: int):
+  """A trained model on real sentences (EOS ends each): ours through the Translator vs CTranslate2 float32."""
+  from flax_transformer import parallel_text
+  from flax_transformer.translator import Translator
+  sentences = parallel_text.read_lines(sentences_path)
+  translator = Translator.from_workdir(workdir, beam_size=4)
+  runs = {f'beam 4, ours ({translator.beam_top_k} top-k)': lambda: translator.translate(sentences)}
+  try:
+    import ctranslate2
+    from flax_transformer import export
+    directory = tempfile.mkdtemp(prefix='decode_ct2_')
+    processor = translator.processor
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    spec = export.model_spec(jax.device_get(translator.params), translator.model_config, pieces)
+    spec.validate()
+    spec.optimize(quantization=None)
+    spec.save(directory)
+    ct2 = ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
+    tokens = [processor.encode(s, out_type=str) for s in sentences]
+    limit = translator.max_extra_length
+    runs[f'beam 4, CTranslate2 {ctranslate2.__version__} float32'] = lambda: [
+        processor.decode(r.hypotheses[0]) for r in ct2.translate_batch(
+            tokens, beam_size=4, length_penalty=translator.length_penalty_alpha, max_batch_size=64,
+            max_decoding_length=max(map(len, tokens)) + limit)]
+  except ImportError:
+    pass
+  outputs = {name: fn() for name, fn in runs.items()}  # warm-up: every length shape compiled
+  seconds = {name: [] for name in runs}
+  for _ in range(rounds):
+    for name, fn in runs.items():
+      start = time.perf_counter()
+      fn()
+      seconds[name].append(time.perf_counter() - start)
+  names = list(runs)
+  print(f'{len(sentences)} sentences of {sentences_path}, {rounds} alternating rounds\n')
+  print('| decoder | sentences/s (median) | output tokens |\n|---|---|---|')
+  for name in names:
+    words = sum(len(translator.processor.encode(t)) for t in outputs[name])
+    print(f'| {name} | {len(sentences) / statistics.median(seconds[name]):,.1f} | {words:,} |')
+  if len(names) == 2:
+    ratios = sorted(b / a for a, b in zip(seconds[names[0]], seconds[names[1]]))
+    agree = np.mean([a == b for a, b in zip(outputs[names[0]], outputs[names[1]])])
+    print(f'| ours / CTranslate2, per round (min-median-max) | {ratios[0]:.2f}-{statistics.median(ratios):.2f}-'
+          f'{ratios[-1]:.2f}x | same output for {agree:.0%} |')
+
+
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--against', help='a git revision whose beam search to time beside this tree\'s')
+  parser.add_argument('--workdir', help='a trained run to translate --sentences with')
+  parser.add_argument('--sentences', help='source sentences, one a line (plain or .gz)')
+  parser.add_argument('--rounds', type=int, default=7)
+  args = parser.parse_args()
+  if args.against:
+    return against(args.against, args.rounds)
+  if args.workdir:
+    return real_sentences(args.workdir, args.sentences, args.rounds)
   model = Transformer(CONFIG)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(3, CONFIG.vocab_size, (BATCH, SOURCE_LENGTH)), jnp.int32)
@@ -137,7 +274,6 @@ def main():
   same = np.mean(np.all(tokens == np.asarray(runs['beam 4, no cache (re-run prefix)'](params, inputs)), axis=1))
   seconds = {name: time_it(fn, params, inputs, repeats=3 if 'no cache' in name else 5) for name, fn in runs.items()}
   beams = {name: 1 if 'greedy' in name else 4 for name in runs}
-  import tempfile
   with tempfile.TemporaryDirectory() as directory:
     for name, (fn, beam) in ctranslate2_runs(params, inputs, directory).items():
       seconds[name], beams[name] = time_it(fn), beam

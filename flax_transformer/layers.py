@@ -137,6 +137,18 @@ def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None
   return bias
 
 
+def ancestry_bias(ancestry: jax.Array, step: jax.Array) -> jax.Array:
+  """The additive bias [b, 1, n, L·n] of the flat self-attention cache (CACHED_SELF) at `step`: hypothesis j
+  sees slot s·n + i (what hypothesis i wrote at step s) iff s ≤ step and its ancestor at step s was i.
+
+  ancestry [b, n, L] int32: ancestry[:, j, s] is the beam index of hypothesis j's ancestor at step s (its own
+  index at `step`). The beam search reorders this table, never the cache (Lingvo's flat beam search).
+  """
+  batch, n, length = ancestry.shape
+  visible = (ancestry[..., None] == jnp.arange(n)) & (jnp.arange(length)[:, None] <= step)  # [b, n, L, n]
+  return jnp.where(visible, 0.0, ATTENTION_MASK_VALUE).astype(jnp.float32).reshape(batch, 1, n, length * n)
+
+
 def _fmix32(x: jax.Array) -> jax.Array:
   """MurmurHash3's 32-bit finaliser: a bijection on uint32 whose output bits each depend on every input bit."""
   x = x ^ (x >> 16)
@@ -186,12 +198,13 @@ class Dropout(nn.Module):
 
 # The attention core's two products (logits, weighted sum) in each layout it runs in; letters as above.
 FULL_SEQUENCE = ('bqhd,bkhd->bhqk', 'bhqk,bkhd->bqhd')  # query [b, q, h, d]; key, value [b, k, h, d]
-# Decoding, one query per hypothesis, against the cache's layout (keys [b, h, d, k], values [b, h, k, d]), so
-# each step's products are plain matrix-vector products and nothing is transposed per step.
-CACHED_SELF = ('bhd,bhdk->bhk', 'bhk,bhkd->bhd')  # query [b·n, h, d]
-# The n hypotheses of a sentence act as its queries over the encoder's keys, shared rather than copied; the
-# sum is written [b, h, n, d] (batch axes first): XLA:CPU's batched product is far slower writing [b, n, h, d].
-CACHED_CROSS = ('bnhd,bhds->bhns', 'bhns,bhsd->bhnd')  # query [b, n, h, d]
+# Decoding: the n hypotheses of a sentence are its queries, one each, over keys [b, h, d, k] and values
+# [b, h, k, d] laid out so each step's products need no transpose. Against the encoder's keys (shared by a
+# sentence's beams, never copied) and against the flat self-attention cache: per sentence, every key a
+# hypothesis wrote, at slot step·n + beam, written once and never moved (ancestry_bias picks each hypothesis's
+# own). The sum is written [b, h, n, d] (batch axes first): XLA:CPU's batched product is far slower writing
+# [b, n, h, d].
+CACHED_SELF = CACHED_CROSS = ('bnhd,bhds->bhns', 'bhns,bhsd->bhnd')  # query [b, n, h, d]
 
 
 def scaled_dot_product_attention(query, key, value, bias, dropout_rate=0.0, dropout_rng=None, dropout_masks='hash',
@@ -292,33 +305,42 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'attention_weights', weights)  # [b, h, q, k]
     return self._output(context)
 
-  def init_cache(self, batch_size: int, max_output_length: int, memory: jax.Array | None = None) -> dict:
-    """The decoding cache (CACHED_SELF: zeros for batch_size hypotheses; CACHED_CROSS: memory [b, s, e] projected)."""
+  def init_cache(self, batch_size: int, max_output_length: int, memory: jax.Array | None = None,
+                 beam_size: int = 1) -> dict:
+    """The decoding cache of `batch_size` sentences: CACHED_SELF, zeros for max_output_length steps of
+    `beam_size` hypotheses each (keys [b, h, d, L·n], values [b, h, L·n, d]); CACHED_CROSS, memory [b, s, e]
+    projected (keys [b, h, d, s], values [b, h, s, d])."""
     h, d = self.num_heads, self.d_model // self.num_heads
     if self.self_attention:
-      return {'key': jnp.zeros((batch_size, h, d, max_output_length), self.dtype),
-              'value': jnp.zeros((batch_size, h, max_output_length, d), self.dtype)}
+      slots = max_output_length * beam_size
+      return {'key': jnp.zeros((batch_size, h, d, slots), self.dtype),
+              'value': jnp.zeros((batch_size, h, slots, d), self.dtype)}
     key, value = self._project(memory, 'kv')  # each [b, s, h, d]
     return {'key': jnp.transpose(key, (0, 2, 3, 1)), 'value': jnp.transpose(value, (0, 2, 1, 3))}
 
-  def decode_step(self, x, cache, step, memory_bias=None):
-    """x [b·n, 1, e] (n hypotheses a sentence) at position `step`, memory_bias [b, 1, 1, s] (encoder-decoder) ->
-    ([b·n, 1, e], cache). The written-out core: one query per hypothesis leaves a fused kernel no tile to save."""
-    if self.self_attention:
-      query, key, value = self._project(x[:, 0], 'qkv')  # each [bn, h, d]
-      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], key[..., None], step, axis=3),
-               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], value[:, :, None], step, axis=2)}
-      bias = jnp.where(jnp.arange(cache['value'].shape[2]) <= step, 0.0, ATTENTION_MASK_VALUE)  # [k]: not yet written
-      context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], bias, layout=CACHED_SELF)
-      self.sow('intermediates', 'attention_weights', weights[:, :, None, :])  # [bn, h, 1, k]
-      return self._output(context[:, None]), cache  # context [bn, h, d]
+  def decode_step(self, x, cache, step, bias):
+    """x [b·n, 1, e] (n hypotheses a sentence) at position `step` -> ([b·n, 1, e], cache). `bias`: the
+    self-attention's ancestry_bias [b, 1, n, L·n] (this step's keys and values are written in place first,
+    at slots step·n … step·n + n - 1), or the encoder-decoder's padding_bias [b, 1, 1, s]. The written-out
+    core: one query per hypothesis leaves a fused kernel no tile to save."""
     batch = cache['key'].shape[0]
-    query = self._project(x[:, 0], 'q').reshape(batch, -1, self.num_heads, self.d_model // self.num_heads)  # [b, n, h, d]
-    context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], memory_bias,
-                                                    layout=CACHED_CROSS)  # [b, h, n, d], [b, h, n, s]
+    h, d = self.num_heads, self.d_model // self.num_heads
+    if self.self_attention:
+      query, key, value = (y.reshape(batch, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [b, n, h, d]
+      n = query.shape[1]
+      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], key.transpose(0, 2, 3, 1), step * n, axis=3),
+               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], value.transpose(0, 2, 1, 3), step * n,
+                                                            axis=2)}  # [b, h, d, L·n], [b, h, L·n, d]
+    else:
+      query = self._project(x[:, 0], 'q').reshape(batch, -1, h, d)  # [b, n, h, d]
+    context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], bias,
+                                                    layout=CACHED_CROSS)  # [b, h, n, d], [b, h, n, k]
+    n = query.shape[1]
+    if self.self_attention:  # per position: each step has one visible slot (the ancestor's)
+      weights = weights.reshape(*weights.shape[:3], -1, n).sum(-1)  # [b, h, n, L]
     self.sow('intermediates', 'attention_weights',
-             jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, s]
-    return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, *query.shape[2:])), cache  # [bn, 1, e]
+             jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, k]
+    return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [bn, 1, e]
 
 
 class PositionwiseFeedForward(nn.Module):

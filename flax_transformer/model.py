@@ -129,17 +129,19 @@ class DecoderLayer(nn.Module):
         y, lambda z: self.cross_attention(z, memory_lengths, memory, deterministic=deterministic), deterministic)
     return self.feed_forward_sublayer(y, self.feed_forward, deterministic), None
 
-  def init_cache(self, memory, batch_size, max_output_length):
+  def init_cache(self, memory, beam_size, max_output_length):
     """memory [b, s, e] -> this layer's cache (layout: Transformer.init_cache)."""
-    return {'self': self.self_attention.init_cache(batch_size, max_output_length),
-            'cross': self.cross_attention.init_cache(batch_size, max_output_length, memory)}
+    batch = memory.shape[0]
+    return {'self': self.self_attention.init_cache(batch, max_output_length, beam_size=beam_size),
+            'cross': self.cross_attention.init_cache(batch, max_output_length, memory)}
 
-  def decode_step(self, y, cache, step, memory_bias):
-    """y [b·n, 1, e] -> ([b·n, 1, e], updated cache)."""
+  def decode_step(self, y, cache, step, self_bias, memory_bias):
+    """y [b·n, 1, e], self_bias [b, 1, n, L·n] (layers.ancestry_bias), memory_bias [b, 1, 1, s] -> ([b·n, 1, e],
+    updated cache)."""
     new_cache = {}
 
     def self_attention(z):
-      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], step)
+      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], step, self_bias)
       return out
 
     def cross_attention(z):
@@ -189,15 +191,15 @@ class DecoderStack(nn.Module):
     """Teacher-forced: y [b, t, e], memory [b, s, e], memory_lengths [b] -> [b, t, e]."""
     return self.stack(y, memory, memory_lengths, deterministic)[0]
 
-  def init_cache(self, memory, batch_size, max_output_length):
+  def init_cache(self, memory, beam_size, max_output_length):
     """memory [b, s, e] -> one cache per layer (layout: Transformer.init_cache)."""
-    return tuple(layer.init_cache(memory, batch_size, max_output_length) for layer in self.layers)
+    return tuple(layer.init_cache(memory, beam_size, max_output_length) for layer in self.layers)
 
-  def decode_step(self, y, caches, step, memory_bias):
+  def decode_step(self, y, caches, step, self_bias, memory_bias):
     """y [b·n, 1, e], caches from init_cache -> ([b·n, 1, e], updated caches)."""
     new_caches = []
     for layer, cache in zip(self.layers, caches):
-      y, cache = layer.decode_step(y, cache, step, memory_bias)
+      y, cache = layer.decode_step(y, cache, step, self_bias, memory_bias)
       new_caches.append(cache)
     return y, tuple(new_caches)
 
@@ -282,30 +284,34 @@ class Transformer(nn.Module):
     """The decoding cache for `max_output_length` steps of `beam_size` hypotheses per sentence.
 
     encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
-    Returns {'step': int32 scalar, 'layers': one dict per decoder layer, each {'self': {'key' [b·n, h, d,
-    max_output_length], 'value' [b·n, h, max_output_length, d]}, 'cross': {'key' [b, h, d, s], 'value' [b, h, s, d]}}}:
-    keys with d before positions so each step's products are matrix-vector products without transposes.
-    Separate per-layer buffers (not one stacked array) let each step update them in place.
+    Returns {'step': int32 scalar, 'ancestry': [b, n, L] int32 (layers.ancestry_bias), 'layers': one dict per
+    decoder layer, each {'self': {'key' [b, h, d, L·n], 'value' [b, h, L·n, d]}, 'cross': {'key' [b, h, d, s],
+    'value' [b, h, s, d]}}}. The self-attention cache is flat: each hypothesis writes its keys and values at
+    step t into slot t·n + its beam index, in place, and they never move; a reordered beam changes only the
+    ancestry table, through which each hypothesis reads its own prefix. Keys with d before positions, so each
+    step's products are matrix products without transposes; separate per-layer buffers (not one stacked
+    array) let each step update them in place.
     """
-    layer_caches = self.decoder.init_cache(encoded, encoded.shape[0] * beam_size, max_output_length)
-    return {'step': jnp.zeros((), jnp.int32), 'layers': layer_caches}
+    layer_caches = self.decoder.init_cache(encoded, beam_size, max_output_length)
+    return {'step': jnp.zeros((), jnp.int32),
+            'ancestry': jnp.zeros((encoded.shape[0], beam_size, max_output_length), jnp.int32),
+            'layers': layer_caches}
 
   @staticmethod
   def reorder_cache(cache: dict, rows: jax.Array) -> dict:
-    """Beam reordering: hypothesis j takes the self-attention keys/values of row rows[j] ([b·n] int32).
-
-    Only the per-hypothesis self-attention caches [b·n, ...] move; the encoder's keys/values [b, ...]
-    are per sentence and stay where they are.
-    """
-    layer_caches = tuple({**layer, 'self': jax.tree_util.tree_map(
-        lambda x: x.at[rows].get(mode='promise_in_bounds'), layer['self'])}
-                         for layer in cache['layers'])
-    return {**cache, 'layers': layer_caches}
+    """Beam reordering: hypothesis j continues the hypothesis of row rows[j] ([b·n] int32, rows of its own
+    sentence): it takes that hypothesis's ancestry (which slots it reads); no key or value is copied."""
+    batch, n, length = cache['ancestry'].shape
+    ancestry = cache['ancestry'].reshape(batch * n, length)[rows].reshape(batch, n, length)
+    return {**cache, 'ancestry': ancestry}
 
   def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
     step = cache['step']
+    n = cache['ancestry'].shape[1]
+    ancestry = cache['ancestry'].at[:, :, step].set(jnp.arange(n, dtype=jnp.int32))  # [b, n, L]: own slot now
+    self_bias = layers.ancestry_bias(ancestry, step)  # [b, 1, n, L·n]
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
-    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, memory_bias)
-    return self._logits(y)[:, 0], {'step': step + 1, 'layers': layer_caches}
+    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, self_bias, memory_bias)
+    return self._logits(y)[:, 0], {'step': step + 1, 'ancestry': ancestry, 'layers': layer_caches}

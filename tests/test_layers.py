@@ -67,3 +67,32 @@ def test_library_attention_equals_written_out_attention(np_rng, causal, dtype):
                              atol=tolerance, rtol=tolerance)
   if not causal:  # the padding really is hidden: weights on padded keys are 0
     assert float(jnp.max(weights[1, :, :, 3:])) == 0.0
+
+
+def test_attention_through_an_ancestry_equals_attention_over_the_explicitly_gathered_prefix(np_rng):
+  """The flat self-attention cache: keys and values written at slot s·n + i by hypothesis i at step s, read by
+  hypothesis j through a random ancestry, equal softmax attention over j's own prefix gathered slot by slot."""
+  b, n, length, h, d, step = 2, 3, 6, 2, 4, 4
+  attention = layers.MultiHeadAttention(h, h * d, True)
+  x = jnp.asarray(np_rng.normal(size=(b * n, 1, h * d)), jnp.float32)
+  params = attention.init(jax.random.key(0), x, None)
+  params = jax.tree_util.tree_map(lambda p: jnp.asarray(np_rng.normal(size=p.shape), jnp.float32), params)
+  cache = {'key': jnp.asarray(np_rng.normal(size=(b, h, d, length * n)), jnp.float32),
+           'value': jnp.asarray(np_rng.normal(size=(b, h, length * n, d)), jnp.float32)}
+  ancestry = np_rng.integers(0, n, size=(b, n, length)).astype(np.int32)
+  ancestry[:, :, step] = np.arange(n)  # each hypothesis's own slot at this step
+  out, written = attention.apply(params, x, cache, step, layers.ancestry_bias(jnp.asarray(ancestry), step),
+                                 method=layers.MultiHeadAttention.decode_step)
+  query, key, value = attention.apply(params, x[:, 0], 'qkv', method=layers.MultiHeadAttention._project)
+  for sentence in range(b):
+    for j in range(n):
+      row = sentence * n + j
+      slots = [s * n + ancestry[sentence, j, s] for s in range(step + 1)]
+      keys = np.asarray(written['key'])[sentence][:, :, slots]  # [h, d, step + 1]
+      values = np.asarray(written['value'])[sentence][:, slots]  # [h, step + 1, d]
+      np.testing.assert_array_equal(keys[:, :, -1], np.asarray(key[row]))  # this step's key, written in place
+      logits = np.einsum('hd,hdk->hk', np.asarray(query[row]), keys) / np.sqrt(d)
+      weights = np.exp(logits - logits.max(-1, keepdims=True))
+      context = np.einsum('hk,hkd->hd', weights / weights.sum(-1, keepdims=True), values)  # [h, d]
+      expected = attention.apply(params, jnp.asarray(context), method=layers.MultiHeadAttention._output)
+      np.testing.assert_allclose(np.asarray(out[row, 0]), np.asarray(expected), rtol=1e-5, atol=1e-5)
