@@ -3,10 +3,11 @@
 Both are pure functions of a `tokens_to_logits(ids [b·n, 1], cache) -> (logits [b·n, v], cache)`
 callback, so any model (or a hand-made table in tests) can drive them. Hypotheses of sentence i
 occupy rows i·n … i·n+n-1. When beams are reordered, `reorder_cache(cache, rows [b·n])` makes each
-hypothesis take its parent's cache; the default gathers every leaf whose leading dimension is b·n and
-leaves the others alone. translate_batch passes `Transformer.reorder_cache`, which moves only the
-per-layer self-attention caches ([b·n, ...]); the encoder keys/values ([b, ...]) are shared by a
-sentence's beams and never copied.
+hypothesis continue its parent's; the default gathers every leaf whose leading dimension is b·n and
+leaves the others alone. translate_batch passes `Transformer.reorder_cache`, which reorders only each
+hypothesis's ancestry table: the flat self-attention cache is never copied, and the encoder keys/values
+([b, ...]) are shared by a sentence's beams. Given `select_sentences(cache, sentences)`, the searches drop
+finished sentences from the batch in a few phases of halving size (CTranslate2 drops them step by step).
 """
 
 import dataclasses
@@ -74,22 +75,61 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
+def phase_sizes(batch: int, smallest: int = 16, compactions: int = 3) -> list[int]:
+  """The batch sizes a search compacts its sentences into as they finish: halving (rounded up to a multiple of
+  8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under twice `smallest`."""
+  sizes = [batch]
+  while len(sizes) <= compactions and sizes[-1] >= 2 * smallest:
+    sizes.append(-(-sizes[-1] // 2 // 8) * 8)
+  return sizes
+
+
+def select_leading(tree, rows: jax.Array):
+  """Default `select_sentences`: every leaf with a leading axis takes rows `rows` [b'] of it (scalars stay)."""
+  return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0) if x.ndim else x, tree)
+
+
+def _phased(not_done, body, state: dict, done, select_sentences, results: tuple[str, ...]) -> dict:
+  """Runs the search loop `body` while `not_done(state, floor)`, in phases of shrinking batch size: once the
+  sentences not `done(state)` [b] fit in the next phase's size, the state's sentences (and the cache, through
+  `select_sentences(cache, rows)`) are cut to those rows, unfinished ones first; finished sentences' results
+  (the state's `results` entries) are final and kept, by original row, in the returned state. Without
+  `select_sentences`: one phase, the plain loop."""
+  batch = state['origin'].shape[0]
+  sizes = phase_sizes(batch) if select_sentences is not None else [batch]
+  kept = {name: state[name] for name in results}  # per original row
+  for phase, size in enumerate(sizes):
+    floor = sizes[phase + 1] if phase + 1 < len(sizes) else 0
+    state = jax.lax.while_loop(functools.partial(not_done, floor=floor), body, state)
+    kept = {name: kept[name].at[state['origin']].set(state[name]) for name in results}
+    if floor:
+      rows = jnp.argsort(done(state), stable=True)[:floor]  # [floor]: the unfinished first
+      state = {**{k: (select_sentences(v, rows) if k == 'cache' else v if k == 'step' else jnp.take(v, rows, axis=0))
+                  for k, v in state.items()}}
+  return {**state, **kept}
+
+
 def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
                 beam_size: int = 4, length_penalty_alpha: float = 0.6, eos_id: int = EOS_ID,
-                reorder_cache=gather_leading_rows, beam_top_k: str = 'lax', num_results: int | None = None):
+                reorder_cache=gather_leading_rows, beam_top_k: str = 'lax', num_results: int | None = None,
+                select_sentences=None):
   """Beam search returning the best hypothesis of each sentence, or its `num_results` best.
 
   Args:
     tokens_to_logits: (ids [b·n, 1], cache) -> (logits [b·n, v], cache).
     cache: the callback's state for b·n hypotheses (see module docstring).
     batch: b.
-    max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50).
+    max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50); 0 for
+      a padding row, which is then finished from the start.
     max_output_length: static upper bound of max_lengths (the size of the output and the cache).
     beam_size: n. length_penalty_alpha: the length penalty's exponent α (0 = none).
     reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
     beam_top_k: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
     num_results: None for the best hypothesis alone; k ≤ n for the k best, the search then running until
       the k-th best finished one (not only the best) beats every live one.
+    select_sentences: (cache, sentences [b'] int32) -> the cache of those sentences alone (every hypothesis of
+      each), or None. Given, finished sentences leave the batch as the search goes (phase_sizes), as
+      CTranslate2 drops them: the same results for less work.
   Returns:
     (tokens [b, max_output_length] int32, ending with EOS unless cut at the length limit, 0-padded;
      scores [b]: the length-penalised log-probabilities), or with num_results=k: ([b, k, max_output_length],
@@ -100,36 +140,35 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   if not 1 <= kept <= n:
     raise ValueError(f'num_results={num_results} must be between 1 and the beam size {n}')
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), length)
-  max_penalty = length_penalty(max_lengths, length_penalty_alpha)  # [b]: the largest a live hypothesis can reach
 
-  def not_done(state):
-    step = state['step']
-    # The best a live hypothesis could still score; once the best finished one beats it, stop.
-    best_live_bound = state['live_scores'][:, 0] / max_penalty  # [b]
-    best_finished = state['finished_scores'][:, kept - 1]  # [b]: the worst of those to return
-    sentence_done = (best_finished >= best_live_bound) | (step >= max_lengths)
-    return (step < length) & ~jnp.all(sentence_done)
+  def done(state):  # [b]: no live hypothesis can still beat the k-th best finished one, or out of length
+    best_live_bound = state['live_scores'][:, 0] / length_penalty(state['max_lengths'], length_penalty_alpha)
+    return (state['finished_scores'][:, kept - 1] >= best_live_bound) | (state['step'] >= state['max_lengths'])
+
+  def not_done(state, floor):
+    return (state['step'] < length) & (jnp.sum(~done(state)) > floor)
 
   def body(state):
-    step = state['step']
-    ids = state['live_tokens'][:, :, step].reshape(batch * n, 1)  # [bn, 1]
+    step, rows, limits = state['step'], state['origin'].shape[0], state['max_lengths']
+    ids = state['live_tokens'][:, :, step].reshape(rows * n, 1)  # [bn, 1]
     logits, new_cache = tokens_to_logits(ids, state['cache'])
     top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, beam_top_k)  # [b, 2n] each
     top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
     top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
-    ends = (top_token == eos_id) | (step + 1 >= max_lengths)[:, None]  # [b, 2n]: EOS, or the length limit
+    ends = (top_token == eos_id) | (step + 1 >= limits)[:, None]  # [b, 2n]: EOS, or the length limit
     live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [b, n]: those that go on
     live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
-    parent_rows = (live_beam + jnp.arange(batch)[:, None] * n).reshape(batch * n)  # [bn]
+    parent_rows = (live_beam + jnp.arange(rows)[:, None] * n).reshape(rows * n)  # [bn]
     ended_scores = jnp.where(ends, top_scores / length_penalty(step + 1, length_penalty_alpha), IMPOSSIBLE_SCORE)
     finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
                                                       ended_scores, top_tokens, n)
-    return {'step': step + 1, 'live_scores': live_scores,
+    return {**state, 'step': step + 1, 'live_scores': live_scores,
             'live_tokens': jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1),  # [b, n, L+1]
             'finished_tokens': finished_tokens, 'finished_scores': finished_scores,
             'cache': reorder_cache(new_cache, parent_rows)}
 
-  final = jax.lax.while_loop(not_done, body, _initial_beams(batch, n, length, cache))
+  state = {**_initial_beams(batch, n, length, cache), 'max_lengths': max_lengths, 'origin': jnp.arange(batch)}
+  final = _phased(not_done, body, state, done, select_sentences, ('finished_tokens', 'finished_scores'))
   if num_results:
     return final['finished_tokens'][:, :kept, 1:], final['finished_scores'][:, :kept]  # [b, k, L], [b, k]
   return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
@@ -175,17 +214,19 @@ def _best_finished(finished_scores, finished_tokens, ended_scores, ended_tokens,
 
 
 def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
-                  eos_id: int = EOS_ID):
-  """The most probable next token at each step; stops when every sentence has ended.
+                  eos_id: int = EOS_ID, select_sentences=None):
+  """The most probable next token at each step; stops when every sentence has ended (a padding row, whose
+  max_lengths is 0, from the start). `select_sentences`: as beam_search's, finished sentences leave the batch.
 
   Returns (tokens [b, max_output_length] int32, log-probabilities [b]).
   """
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_output_length)
   initial = {'step': jnp.array(0, jnp.int32), 'tokens': jnp.zeros((batch, max_output_length + 1), jnp.int32),
-             'ended': jnp.zeros((batch,), bool), 'scores': jnp.zeros((batch,), jnp.float32), 'cache': cache}
+             'ended': max_lengths <= 0, 'scores': jnp.zeros((batch,), jnp.float32), 'cache': cache,
+             'max_lengths': max_lengths, 'origin': jnp.arange(batch)}
 
-  def not_done(state):
-    return (state['step'] < max_output_length) & ~jnp.all(state['ended'])
+  def not_done(state, floor):
+    return (state['step'] < max_output_length) & (jnp.sum(~state['ended']) > floor)
 
   def body(state):
     step = state['step']
@@ -197,11 +238,11 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
     log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
     token = jnp.where(state['ended'], PAD_ID, token)
     score = state['scores'] + jnp.where(state['ended'], 0.0, log_prob)
-    ended = state['ended'] | (token == eos_id) | (step + 1 >= max_lengths)
-    return {'step': step + 1, 'tokens': state['tokens'].at[:, step + 1].set(token), 'ended': ended,
+    ended = state['ended'] | (token == eos_id) | (step + 1 >= state['max_lengths'])
+    return {**state, 'step': step + 1, 'tokens': state['tokens'].at[:, step + 1].set(token), 'ended': ended,
             'scores': score, 'cache': cache}
 
-  final = jax.lax.while_loop(not_done, body, initial)
+  final = _phased(not_done, body, initial, lambda state: state['ended'], select_sentences, ('tokens', 'scores'))
   return final['tokens'][:, 1:], final['scores']
 
 
@@ -228,31 +269,34 @@ def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alp
 
   `model` and `params`: one Transformer and its parameters, or an ensemble: a tuple of Transformers (any shapes
   sharing one vocabulary) and a tuple of their parameters, decoded with `ensemble_log_probs`, each member with
-  its own cache. Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1).
+  its own cache. Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1); finished
+  sentences leave the batch as the search goes (phase_sizes); padding rows (all 0) are finished from the start.
   Bind model/beam_size/length_penalty_alpha/max_extra_length/max_output_length with functools.partial and jit.
   """
   batch, n = inputs.shape[0], max(beam_size, 1)
   models, member_params = members(model, params)
-  caches = tuple(m.apply({'params': p}, m.apply({'params': p}, inputs, method=m.encode), n, max_output_length,
-                         method=m.init_cache) for m, p in zip(models, member_params))
+  caches = {'inputs': inputs, 'members': tuple(
+      m.apply({'params': p}, m.apply({'params': p}, inputs, method=m.encode), n, max_output_length,
+              method=m.init_cache) for m, p in zip(models, member_params))}
   source_lengths = jnp.sum(inputs > 0, axis=1)  # [b]
-  max_lengths = source_lengths + max_extra_length
+  max_lengths = jnp.where(source_lengths > 0, source_lengths + max_extra_length, 0)  # a padding row: none
 
   def tokens_to_logits(ids, caches):
-    outputs = [m.apply({'params': p}, ids, inputs, c, method=m.decode_step)
-               for m, p, c in zip(models, member_params, caches)]
+    outputs = [m.apply({'params': p}, ids, caches['inputs'], c, method=m.decode_step)
+               for m, p, c in zip(models, member_params, caches['members'])]
     logits = outputs[0][0] if len(models) == 1 else ensemble_log_probs([logits for logits, _ in outputs])
-    return logits, tuple(cache for _, cache in outputs)
+    return logits, {**caches, 'members': tuple(cache for _, cache in outputs)}
 
   def reorder_cache(caches, rows):
-    return tuple(type(m).reorder_cache(c, rows) for m, c in zip(models, caches))
+    return {**caches, 'members': tuple(type(m).reorder_cache(c, rows) for m, c in zip(models, caches['members']))}
 
   if beam_size <= 1:
-    tokens, scores = greedy_search(tokens_to_logits, caches, batch, max_lengths, max_output_length)
+    tokens, scores = greedy_search(tokens_to_logits, caches, batch, max_lengths, max_output_length,
+                                   select_sentences=select_leading)
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
   return beam_search(tokens_to_logits, caches, batch, max_lengths, max_output_length, beam_size,
                      length_penalty_alpha, reorder_cache=reorder_cache, beam_top_k=beam_top_k,
-                     num_results=num_results)
+                     num_results=num_results, select_sentences=select_leading)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,9 @@
 """Cached decoding equals full recomputation; beam search against brute force."""
 
 import dataclasses
+import functools
 import itertools
+import re
 
 import flax.linen as nn
 import jax
@@ -233,3 +235,65 @@ def test_every_hypothesis_of_the_k_best_scores_its_own_tokens_under_teacher_forc
   wrong = ~np.isclose(np.asarray(scores), _teacher_forced_scores(model, params, inputs, np.asarray(tokens), alpha),
                       rtol=1e-4, atol=1e-4)
   assert wrong.sum() >= 0.25 * wrong.size, wrong.sum()
+
+
+def _hlo_computations(text: str) -> dict[str, list[str]]:
+  """An optimized HLO module's computations: name -> its instruction lines."""
+  blocks, name = {}, None
+  for line in text.splitlines():
+    head = re.match(r'^(?:ENTRY )?%([\w.\-]+) ', line)
+    if head:
+      name = head.group(1)
+      blocks[name] = []
+    elif name:
+      blocks[name].append(line)
+  return blocks
+
+
+def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_model_config):
+  """In the compiled while loop, every instruction that produces a self-attention cache buffer is the in-place
+  write of this step's slots (a fusion whose root is a dynamic-update-slice): no copy, no gather of the cache
+  (the copying layout's reorder shows up here as gather fusions and copies of every layer's buffers)."""
+  b, n, length = 8, 4, 16
+  model = Transformer(small_model_config)
+  inputs = np.ones((b, 7), np.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), inputs, inputs)['params'])
+  text = search.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
+  h, d = small_model_config.num_heads, small_model_config.d_model // small_model_config.num_heads
+  shapes = {f'f32[{b},{h},{d},{length * n}]', f'f32[{b},{h},{length * n},{d}]'}
+  blocks = _hlo_computations(text)
+  bodies = set(re.findall(r'while\([^\n]*?body=%([\w.\-]+)', text))
+  assert bodies and any(shape in line for body in bodies for line in blocks[body] for shape in shapes)
+  whole = []
+  for line in (line for body in bodies for line in blocks[body]):
+    produced = re.match(r'\s*(?:ROOT )?%[\w.\-]+ = (\w+\[[\d,]*\])\{[^}]*\} ([\w\-]+)\(', line)
+    if not produced or produced.group(1) not in shapes or produced.group(2) in ('parameter', 'get-tuple-element',
+                                                                                   'bitcast', 'tuple'):
+      continue
+    if produced.group(2) == 'fusion':
+      called = blocks[re.search(r'calls=%([\w.\-]+)', line).group(1)]
+      if ' dynamic-update-slice(' in next(l for l in called if l.strip().startswith('ROOT')):
+        continue
+    whole.append(line.strip()[:160])
+  assert whole == []
+
+
+@pytest.mark.parametrize('beam,results', [(1, None), (4, None), (4, 2)])
+def test_finished_sentences_leave_the_batch_without_changing_a_result(small_model_config, monkeypatch, beam, results):
+  """64 sentences of varied lengths (and 8 padding rows) finish at different steps: the search that drops them
+  in phases of 64, 32 and 16 rows returns the tokens and scores of the one that keeps every row to the end."""
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  inputs = random_batch(np.random.default_rng(2), 64, 9, 5, config.vocab_size)['inputs']
+  inputs[56:] = 0  # padding rows, as translation batches have
+  model = Transformer(config)
+  params = nn.meta.unbox(model.init(jax.random.key(6), inputs, inputs)['params'])
+  translate = functools.partial(search.translate_batch, model=model, beam_size=beam, length_penalty_alpha=0.6,
+                                max_extra_length=4, max_output_length=16, num_results=results)
+  assert search.phase_sizes(64) == [64, 32, 16]
+  phased = jax.jit(translate)(params, inputs)
+  monkeypatch.setattr(search, 'phase_sizes', lambda batch: [batch])
+  whole = jax.jit(translate)(params, inputs)
+  np.testing.assert_array_equal(np.asarray(phased[0])[:56], np.asarray(whole[0])[:56])
+  np.testing.assert_allclose(np.asarray(phased[1])[:56], np.asarray(whole[1])[:56], rtol=1e-5, atol=1e-5)
+  lengths = (np.asarray(whole[0])[:56] > 0).reshape(56, -1).sum(1)
+  assert lengths.max() - lengths.min() >= 5  # they do end apart
