@@ -13,7 +13,6 @@ then, in the last row's process, the global stream's batches of `tokens_per_batc
 8-device mesh gathers them (target tokens per second per core). Prints a markdown table and one JSON line.
 """
 
-import gzip
 import json
 import os
 import shutil
@@ -23,32 +22,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+
+from bench.synthetic import cpu_model, synthetic_corpus  # noqa: E402
 
 flags.DEFINE_integer('pairs', 4_500_000, 'Sentence pairs in the synthetic training split.')
 flags.DEFINE_list('processes', ['1', '2'], 'Process counts of the cache builds timed (process 0 of each).')
 flags.DEFINE_integer('batches', 300, 'Batches of the global stream served in the serving timing.')
 flags.DEFINE_string('workdir', '/tmp/flax_transformer_bench_input', 'Corpus, vocabulary and cache directory.')
 flags.DEFINE_string('measure', '', 'Internal: the row to measure in this process (tokenise, build:P or read).')
-
-
-def synthetic_corpus(directory: str, pairs: int, seed: int = 0) -> tuple[str, str]:
-  """WMT-like parallel text: Zipf(1.1) over 30k synthetic words, source lengths ~ LogNormal(ln 22, 0.55),
-  target lengths 0.8-1.3× the source's."""
-  paths = [os.path.join(directory, f'train.{lang}.gz') for lang in ('en', 'de')]
-  if all(os.path.exists(p) for p in paths):
-    return tuple(paths)
-  rng = np.random.default_rng(seed)
-  letters = np.array(list('abcdefghijklmnopqrstuvwxyz'))
-  words = [''.join(rng.choice(letters, rng.integers(2, 10))) for _ in range(30_000)]
-  lengths = np.clip(rng.lognormal(np.log(22), 0.55, pairs).astype(int), 1, 120)
-  with gzip.open(paths[0], 'wt', encoding='utf-8') as source, gzip.open(paths[1], 'wt', encoding='utf-8') as target:
-    for n in lengths:
-      for f, length in ((source, n), (target, max(1, int(n * rng.uniform(0.8, 1.3))))):
-        ids = np.minimum(rng.zipf(1.1, length), len(words)) - 1
-        f.write(' '.join(words[i] for i in ids) + '\n')
-  return tuple(paths)
 
 
 def config_for(source: str, paths: tuple[str, str]):
@@ -151,14 +133,6 @@ def main(argv):
   print(f"serving the global stream (one host of 8 devices): {rows[-1]['serve_target_tokens_per_second_per_core']:,} "
         f"target tokens/s/core")
   print(json.dumps(rows))
-
-
-def cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      return next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
-  except (OSError, StopIteration):
-    return 'unknown CPU'
 
 
 if __name__ == '__main__':

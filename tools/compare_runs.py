@@ -19,7 +19,6 @@ from flax_transformer import storage  # noqa: E402
 from flax_transformer.metrics_log import METRICS_FILENAME  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string('workdir', None, 'The two run directories.', required=True)
 
 
 def read_run(workdir: str) -> tuple[dict[int, float], dict[int, dict], dict[int, str]]:
@@ -74,5 +73,6 @@ def main(argv):
   sys.exit(1 if differing or result['differing_evaluations'] or result['differing_batches'] else 0)
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':  # the flag is the program's: importing this module (tests, benchmarks) defines none
+  flags.DEFINE_multi_string('workdir', None, 'The two run directories.', required=True)
   app.run(main)
