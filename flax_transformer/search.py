@@ -75,7 +75,7 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
-def phase_sizes(batch: int, smallest: int = 16, compactions: int = 3) -> list[int]:
+def phase_sizes(batch: int, smallest: int = 32, compactions: int = 3) -> list[int]:
   """The batch sizes a search compacts its sentences into as they finish: halving (rounded up to a multiple of
   8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under twice `smallest`."""
   sizes = [batch]
@@ -148,30 +148,35 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   def not_done(state, floor):
     return (state['step'] < length) & (jnp.sum(~done(state)) > floor)
 
-  def body(state):
-    step, rows, limits = state['step'], state['origin'].shape[0], state['max_lengths']
-    ids = state['live_tokens'][:, :, step].reshape(rows * n, 1)  # [bn, 1]
-    logits, new_cache = tokens_to_logits(ids, state['cache'])
-    top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, beam_top_k)  # [b, 2n] each
-    top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
-    top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
-    ends = (top_token == eos_id) | (step + 1 >= limits)[:, None]  # [b, 2n]: EOS, or the length limit
-    live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [b, n]: those that go on
-    live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
-    parent_rows = (live_beam + jnp.arange(rows)[:, None] * n).reshape(rows * n)  # [bn]
-    ended_scores = jnp.where(ends, top_scores / length_penalty(step + 1, length_penalty_alpha), IMPOSSIBLE_SCORE)
-    finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
-                                                      ended_scores, top_tokens, n)
-    return {**state, 'step': step + 1, 'live_scores': live_scores,
-            'live_tokens': jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1),  # [b, n, L+1]
-            'finished_tokens': finished_tokens, 'finished_scores': finished_scores,
-            'cache': reorder_cache(new_cache, parent_rows)}
-
+  body = functools.partial(_beam_step, tokens_to_logits=tokens_to_logits, n=n, alpha=length_penalty_alpha,
+                           eos_id=eos_id, reorder_cache=reorder_cache, beam_top_k=beam_top_k)
   state = {**_initial_beams(batch, n, length, cache), 'max_lengths': max_lengths, 'origin': jnp.arange(batch)}
   final = _phased(not_done, body, state, done, select_sentences, ('finished_tokens', 'finished_scores'))
   if num_results:
     return final['finished_tokens'][:, :kept, 1:], final['finished_scores'][:, :kept]  # [b, k, L], [b, k]
   return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
+
+
+def _beam_step(state, *, tokens_to_logits, n: int, alpha: float, eos_id: int, reorder_cache, beam_top_k: str):
+  """One step of beam_search: every live hypothesis extended by its best tokens, the n best that go on kept
+  live (the cache reordered to them), those that end merged into the n best finished."""
+  step, rows, limits = state['step'], state['origin'].shape[0], state['max_lengths']
+  ids = state['live_tokens'][:, :, step].reshape(rows * n, 1)  # [bn, 1]
+  logits, new_cache = tokens_to_logits(ids, state['cache'])
+  top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, beam_top_k)  # [b, 2n] each
+  top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
+  top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
+  ends = (top_token == eos_id) | (step + 1 >= limits)[:, None]  # [b, 2n]: EOS, or the length limit
+  live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [b, n]: those that go on
+  live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
+  parent_rows = (live_beam + jnp.arange(rows)[:, None] * n).reshape(rows * n)  # [bn]
+  ended_scores = jnp.where(ends, top_scores / length_penalty(step + 1, alpha), IMPOSSIBLE_SCORE)
+  finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
+                                                    ended_scores, top_tokens, n)
+  return {**state, 'step': step + 1, 'live_scores': live_scores,
+          'live_tokens': jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1),  # [b, n, L+1]
+          'finished_tokens': finished_tokens, 'finished_scores': finished_scores,
+          'cache': reorder_cache(new_cache, parent_rows)}
 
 
 def _initial_beams(batch: int, n: int, length: int, cache) -> dict:

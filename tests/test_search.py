@@ -281,7 +281,7 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
 @pytest.mark.parametrize('beam,results', [(1, None), (4, None), (4, 2)])
 def test_finished_sentences_leave_the_batch_without_changing_a_result(small_model_config, monkeypatch, beam, results):
   """64 sentences of varied lengths (and 8 padding rows) finish at different steps: the search that drops them
-  in phases of 64, 32 and 16 rows returns the tokens and scores of the one that keeps every row to the end."""
+  (phases of 64 and 32 rows) returns the tokens and scores of the one that keeps every row to the end."""
   config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
   inputs = random_batch(np.random.default_rng(2), 64, 9, 5, config.vocab_size)['inputs']
   inputs[56:] = 0  # padding rows, as translation batches have
@@ -289,7 +289,7 @@ def test_finished_sentences_leave_the_batch_without_changing_a_result(small_mode
   params = nn.meta.unbox(model.init(jax.random.key(6), inputs, inputs)['params'])
   translate = functools.partial(search.translate_batch, model=model, beam_size=beam, length_penalty_alpha=0.6,
                                 max_extra_length=4, max_output_length=16, num_results=results)
-  assert search.phase_sizes(64) == [64, 32, 16]
+  assert search.phase_sizes(64) == [64, 32] and search.phase_sizes(304) == [304, 152, 80, 40]
   phased = jax.jit(translate)(params, inputs)
   monkeypatch.setattr(search, 'phase_sizes', lambda batch: [batch])
   whole = jax.jit(translate)(params, inputs)

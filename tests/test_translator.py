@@ -171,6 +171,5 @@ def test_an_ensemble_of_two_models_scores_the_mean_of_their_log_probabilities(tr
     q = jax.nn.log_softmax((np.asarray(logs[0]) + np.asarray(logs[1])) / 2, axis=-1)
     expected.append(float(sum(q[t, y] for t, y in enumerate(target))))
   np.testing.assert_allclose(ensemble.score(sources, targets), expected, rtol=1e-4)
-  assert ensemble.translate(LINES) != translator.translate(LINES)  # the second model changes the search
   with pytest.raises(UserError, match='alignments come from one model'):
     ensemble.alignments(sources, targets)

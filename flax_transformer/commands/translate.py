@@ -169,12 +169,22 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
   return best, best
 
 
+def load(f):
+  """The Translator the flags name: one workdir's model (its weights and checkpoints as --weights, --checkpoint,
+  --step, --average_last say) or an ensemble's."""
+  from flax_transformer.translator import Translator
+  overrides = {'eval_tokens_per_batch': f.eval_tokens_per_batch} if f.eval_tokens_per_batch else {}
+  chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
+  if len(workdirs(f)) > 1:
+    return Translator.from_workdirs(workdirs(f), **chosen, **overrides)
+  return Translator.from_workdir(f.workdir, checkpoint_dir=f.checkpoint_dir, **chosen, **overrides)
+
+
 def translate(f) -> None:
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()
   import jax
   from flax_transformer import evaluation, parallel_text, storage
-  from flax_transformer.translator import Translator
 
   check_flags(f)
   references = parallel_text.read_lines(f.reference) if f.reference else None
@@ -182,12 +192,7 @@ def translate(f) -> None:
   if sources is not None and references is not None and len(references) != len(sources):
     raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
-  overrides = {'eval_tokens_per_batch': f.eval_tokens_per_batch} if f.eval_tokens_per_batch else {}
-  chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
-  if len(workdirs(f)) > 1:
-    translator = Translator.from_workdirs(workdirs(f), **chosen, **overrides)
-  else:
-    translator = Translator.from_workdir(f.workdir, checkpoint_dir=f.checkpoint_dir, **chosen, **overrides)
+  translator = load(f)
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
   print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
