@@ -10,6 +10,8 @@ Attention always goes through `jax.nn.dot_product_attention`; `config.model.atte
 for cuDNN's fused kernel on GPUs in bf16 (where cuDNN takes the head size) and for XLA elsewhere.
 """
 
+import os
+
 import jax
 
 from flax_transformer.errors import ConfigError
@@ -70,3 +72,13 @@ def attention(dtype: str, head_size: int, platform: str) -> str:
   if platform == 'gpu' and dtype == 'bfloat16' and head_size % 8 == 0 and head_size <= 128:
     return 'cudnn'
   return 'xla'
+
+
+def enable_compilation_cache() -> None:
+  """Persists compiled programs (one per batch shape) in the user's cache folder (or $JAX_COMPILATION_CACHE_DIR),
+  so a restarted training run, and every translation after the first, skip recompiling; the programs call it."""
+  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'flax_transformer', 'jax')
+  jax.config.update('jax_compilation_cache_dir', directory)
+  if 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS' not in os.environ:  # the environment's own choice stands
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)

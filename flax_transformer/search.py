@@ -98,14 +98,14 @@ def _phased(not_done, body, state: dict, done, select_sentences, results: tuple[
   batch = state['origin'].shape[0]
   sizes = phase_sizes(batch) if select_sentences is not None else [batch]
   kept = {name: state[name] for name in results}  # per original row
-  for phase, size in enumerate(sizes):
-    floor = sizes[phase + 1] if phase + 1 < len(sizes) else 0
+  for phase in range(len(sizes)):
+    floor = sizes[phase + 1] if phase + 1 < len(sizes) else 0  # the next phase's size (0: run to the end)
     state = jax.lax.while_loop(functools.partial(not_done, floor=floor), body, state)
     kept = {name: kept[name].at[state['origin']].set(state[name]) for name in results}
     if floor:
       rows = jnp.argsort(done(state), stable=True)[:floor]  # [floor]: the unfinished first
-      state = {**{k: (select_sentences(v, rows) if k == 'cache' else v if k == 'step' else jnp.take(v, rows, axis=0))
-                  for k, v in state.items()}}
+      state = {k: select_sentences(v, rows) if k == 'cache' else v if k == 'step' else jnp.take(v, rows, axis=0)
+               for k, v in state.items()}
   return {**state, **kept}
 
 

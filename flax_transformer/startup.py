@@ -7,7 +7,6 @@ loop carries from then on (the train step donates it).
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import jax
@@ -24,14 +23,6 @@ from flax_transformer.model import TransformerConfig
 from flax_transformer.settings import Settings
 
 VOCABULARY_TIMEOUT_SECONDS = 4 * 3600  # How long other processes wait for process 0 to train the vocabulary.
-
-
-def enable_compilation_cache() -> None:
-  """Persists compiled programs (one per batch shape) so a restarted or resumed run skips recompiling."""
-  directory = os.environ.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'flax_transformer', 'jax')
-  jax.config.update('jax_compilation_cache_dir', directory)
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
 
 
 def data_seed(seed: int, start_step: int) -> int:
@@ -132,7 +123,7 @@ def banner(s: Settings, mesh, num_params: int, num_batch_shapes: int, cluster_ki
 def set_up(config, workdir: str, devices=None) -> tuple[Run, train_state.TrainState]:
   """The run config read once (settings.py), the cluster, checks, the workdir's lock, mesh, vocabulary,
   train state (resumed if the workdir has a checkpoint), data and jitted steps: (the Run, the starting state)."""
-  enable_compilation_cache()
+  platforms.enable_compilation_cache()
   tensorflow_setup.import_quietly()
   settings.check(config)  # every field, before any process starts
   cluster_kind = cluster.start(settings.cluster_settings(config)).kind  # before JAX's backend is touched

@@ -177,11 +177,11 @@ def test_a_two_model_beam_search_finds_the_brute_force_optimum_of_the_ensemble()
   the sequence whose length-penalised sum of ensemble log-probabilities (the renormalised mean of the two models'
   log-probabilities, each from its own teacher-forced pass) is the best of every sequence up to the length limit."""
   from flax_transformer.model import TransformerConfig
-  vocab, alpha, extra = 6, 0.6, 2
+  vocab, alpha, extra = 5, 0.6, 2
   configs = [TransformerConfig(vocab_size=vocab, d_model=d, num_heads=h, d_ff=2 * d, num_encoder_layers=1,
                                num_decoder_layers=layers, max_positions=16, share_embeddings=False, dropout_rate=0.0)
              for d, h, layers in ((16, 2, 2), (8, 1, 1))]
-  inputs = np.array([[3, 1], [5, 1]], np.int32)  # one token and EOS: at most 2 + 2 output tokens
+  inputs = np.array([[3, 1], [4, 1]], np.int32)  # one token and EOS: at most 2 + 2 output tokens
   models = tuple(Transformer(c) for c in configs)
   params = tuple(nn.meta.unbox(m.init(jax.random.key(i + 7), inputs, inputs)['params']) for i, m in enumerate(models))
   tokens, scores = search.jitted_translate(models, (vocab - 2) ** 3, alpha, extra, 4)(params, inputs)
@@ -194,7 +194,7 @@ def test_a_two_model_beam_search_finds_the_brute_force_optimum_of_the_ensemble()
     for i, candidate in enumerate(candidates):
       targets[i, :len(candidate)] = candidate
     source = np.repeat(inputs[row:row + 1], len(candidates), axis=0)
-    logs = [jax.nn.log_softmax(np.asarray(m.apply({'params': p}, source, targets), np.float64), axis=-1)
+    logs = [jax.nn.log_softmax(np.asarray(jax.jit(m.apply)({'params': p}, source, targets), np.float64), axis=-1)
             for m, p in zip(models, params)]
     q = np.asarray(jax.nn.log_softmax((np.asarray(logs[0]) + np.asarray(logs[1])) / 2, axis=-1))
     totals = [sum(q[i, t, y] for t, y in enumerate(c)) / ((5 + len(c)) / 6) ** alpha for i, c in enumerate(candidates)]

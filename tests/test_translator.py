@@ -162,14 +162,13 @@ def test_an_ensemble_of_two_models_scores_the_mean_of_their_log_probabilities(tr
   ensemble = Translator([translator.params, other], [translator.model_config, other_config], translator.processor,
                         beam_size=2, length_penalty_alpha=0.6, max_extra_length=4)
   sources, targets = LINES[:4], TARGETS[:4]
-  encode = lambda texts: [translator.processor.encode(t) + [1] for t in texts]
-  expected = []
-  for source, target in zip(encode(sources), encode(targets)):
-    logs = [jax.nn.log_softmax(np.asarray(Transformer(c).apply({'params': p}, np.array([source]), np.array([target])),
-                                          np.float64)[0], axis=-1)
-            for p, c in ((translator.params, translator.model_config), (other, other_config))]
-    q = jax.nn.log_softmax((np.asarray(logs[0]) + np.asarray(logs[1])) / 2, axis=-1)
-    expected.append(float(sum(q[t, y] for t, y in enumerate(target))))
+  source_ids, target_ids = ([translator.processor.encode(t) + [1] for t in texts] for texts in (sources, targets))
+  pad = lambda rows: np.array([row + [0] * (max(map(len, rows)) - len(row)) for row in rows], np.int32)
+  logs = [np.asarray(jax.nn.log_softmax(jax.jit(Transformer(c).apply)({'params': p}, pad(source_ids),
+                                                                     pad(target_ids)).astype(np.float64), axis=-1))
+          for p, c in ((translator.params, translator.model_config), (other, other_config))]  # [4, t, v] each
+  q = np.asarray(jax.nn.log_softmax((logs[0] + logs[1]) / 2, axis=-1))
+  expected = [float(sum(q[i, t, y] for t, y in enumerate(target))) for i, target in enumerate(target_ids)]
   np.testing.assert_allclose(ensemble.score(sources, targets), expected, rtol=1e-4)
   with pytest.raises(UserError, match='alignments come from one model'):
     ensemble.alignments(sources, targets)

@@ -184,9 +184,10 @@ def translate(f) -> None:
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()
   import jax
-  from flax_transformer import evaluation, parallel_text, storage
+  from flax_transformer import evaluation, parallel_text, platforms, storage
 
   check_flags(f)
+  platforms.enable_compilation_cache()  # each batch shape's search compiled once, for every later translation
   references = parallel_text.read_lines(f.reference) if f.reference else None
   sources = None if f.input == '-' else parallel_text.read_lines(f.input)
   if sources is not None and references is not None and len(references) != len(sources):
