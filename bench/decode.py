@@ -223,9 +223,10 @@ def real_sentences(workdir: str, sentences_path: str, rounds: int):
     ct2 = ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
     tokens = [processor.encode(s, out_type=str) for s in sentences]
     limit = translator.max_extra_length
-    runs[f'beam 4, CTranslate2 {ctranslate2.__version__} float32'] = lambda: [
+    runs[f'beam 4, CTranslate2 {ctranslate2.__version__} float32'] = lambda: [  # batched by tokens, as ours
         processor.decode(r.hypotheses[0]) for r in ct2.translate_batch(
-            tokens, beam_size=4, length_penalty=translator.length_penalty_alpha, max_batch_size=64,
+            tokens, beam_size=4, length_penalty=translator.length_penalty_alpha, min_decoding_length=0,
+            max_batch_size=translator.eval_tokens_per_batch, batch_type='tokens',
             max_decoding_length=max(map(len, tokens)) + limit)]
   except ImportError:
     pass
