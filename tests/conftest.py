@@ -19,10 +19,12 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 
 # LLVM -O0 (see above); and in-process collectives of 8 CPU devices wait for each other as long as a starved
 # 2-core machine needs (XLA aborts the process after 40 s by default, a hang detector, not a limit on work).
-COMPILE_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_collective_call_terminate_timeout_seconds=600'
+COMPILE_FLAGS = ('--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false '
+                 '--xla_cpu_collective_call_terminate_timeout_seconds=600')
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 if COMPILE_FLAGS not in os.environ['XLA_FLAGS']:
   os.environ['XLA_FLAGS'] += ' ' + COMPILE_FLAGS
@@ -49,11 +51,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_collection_modifyitems(items):
   """Under pytest-xdist, the slow tests first, in file order, so that the longest start at once instead of at
-  the end of a worker's queue (every worker sorts the same way). A plain run keeps file order, so -x stops at
+  the end of a worker's queue (every worker sorts the same way); within each, the tests of the shared trained
+  run last, so that it trains in the background meanwhile. A plain run keeps file order, so -x stops at
   the first failing test of the files named, as tools/mutation_check.py expects. Tests that need an
   accelerator are skipped unless TEST_ON_ACCELERATOR=1."""
   if os.environ.get('PYTEST_XDIST_WORKER'):
-    items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+    items.sort(key=lambda item: (item.get_closest_marker('slow') is None, 'trained_run' in item.fixturenames))
   if not ON_ACCELERATOR:
     skip = pytest.mark.skip(reason='needs a GPU or TPU: bench/gpu.sh runs it (TEST_ON_ACCELERATOR=1)')
     for item in items:
@@ -129,11 +132,8 @@ def subprocess_env(devices=1):
 TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4', '--config.ema_decay=0.9')
 
 
-@pytest.fixture(scope='session')
-def trained_run(tmp_path_factory):
-  """(workdir, corpus directory) of one 12-step train.py run (train_command(..., TRAINED_STEPS, *TRAINED_FLAGS):
-  checkpoints 3, 6, 9, 12, each with the weights' moving average; one loss a step), built once per pytest run and shared by every worker; tests copy
-  the workdir before they change it."""
+def _trained_run(tmp_path_factory):
+  """Builds the shared 12-step run unless this pytest run has (or another worker is building it: then waits)."""
   from tests.helpers.corpus import write_corpus
   with _once_per_run(tmp_path_factory, 'trained_run') as (directory, build):
     corpus, workdir = directory / 'corpus', directory / 'work'
@@ -144,6 +144,28 @@ def trained_run(tmp_path_factory):
       subprocess.run(train_command(workdir, corpus, TRAINED_STEPS, *TRAINED_FLAGS), env=subprocess_env(),
                      check=True, capture_output=True, timeout=600)
   return str(workdir), str(corpus)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _trained_run_in_background(request, tmp_path_factory):
+  """Starts the shared run's train.py as the session starts, when a collected test needs it, so that it trains
+  while the first tests run (those tests are ordered last) instead of keeping a worker waiting."""
+  thread = None
+  tmp_path_factory.getbasetemp()  # made here, once: the thread and the first test would both create it
+  if any('trained_run' in getattr(item, 'fixturenames', ()) for item in request.session.items):
+    thread = threading.Thread(target=lambda: _trained_run(tmp_path_factory), daemon=True)
+    thread.start()
+  yield
+  if thread is not None:
+    thread.join()  # never leave a half-built run behind for another worker
+
+
+@pytest.fixture(scope='session')
+def trained_run(tmp_path_factory):
+  """(workdir, corpus directory) of one 12-step train.py run (train_command(..., TRAINED_STEPS, *TRAINED_FLAGS):
+  checkpoints 3, 6, 9, 12, each with the weights' moving average; one loss a step), built once per pytest run
+  and shared by every worker; tests copy the workdir before they change it."""
+  return _trained_run(tmp_path_factory)
 
 
 def free_port() -> int:

@@ -71,6 +71,7 @@ def test_the_weights_moving_average_is_the_closed_form(tiny_config, np_rng):
 @pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (8, 1, 1)])
 def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_shape):
   tiny_config.model.dropout_rate = 0.0
+  tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time
   model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh(mesh_shape, jax.devices()[:np.prod(mesh_shape)])
   batch = random_batch(np_rng, 32, 7, 6, model_config.vocab_size)
@@ -87,6 +88,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_sh
 def _token_gathers(tiny_config, np_rng) -> list[str]:
   """The all-gathers of int32 (token) arrays in the compiled k=4 step on an 8-way data-parallel mesh."""
   tiny_config.gradient_accumulation_steps = 4
+  tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time
   model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((8, 1, 1))
   state, train_step = make_step(tiny_config, model_config, mesh)
@@ -108,6 +110,7 @@ def test_accumulation_keeps_each_device_rows(tiny_config, np_rng, monkeypatch):
 def test_fused_output_loss_step_equals_autodiff_step(tiny_config, np_rng, share_embeddings, pre_norm):
   tiny_config.model.share_embeddings, tiny_config.model.pre_norm = share_embeddings, pre_norm
   tiny_config.model.dropout_rate = 0.1  # same masks on both paths
+  tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time; the head is tested
   model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
   batch = random_batch(np_rng, 8, 7, 6, model_config.vocab_size)

@@ -1,5 +1,6 @@
 """flax_transformer.Translator: translations in order, n-best lists, scores, alignments, no recompilation."""
 
+import functools
 
 import flax.linen as nn
 import jax
@@ -63,9 +64,9 @@ def test_score_is_the_unsmoothed_training_loss(translator):
   width = max(max(len(s), len(t)) for s, t in rows)
   batch = {name: np.array([side + [0] * (width - len(side)) for side in sides], np.int32)
            for name, sides in (('inputs', [r[0] for r in rows]), ('targets', [r[1] for r in rows]))}
+  eval_step = jax.jit(functools.partial(steps.eval_step, model_config=translator.model_config, label_smoothing=0.0))
   for i in range(len(rows)):  # the eval step's per-token sums, without smoothing, one pair at a time
-    sums = steps.eval_step(translator.params, {k: v[i:i + 1] for k, v in batch.items()},
-                           model_config=translator.model_config, label_smoothing=0.0)
+    sums = eval_step(translator.params, {k: v[i:i + 1] for k, v in batch.items()})
     np.testing.assert_allclose(scores[i], -float(sums['nll']), rtol=1e-5, atol=1e-4)
 
 
@@ -89,14 +90,19 @@ def test_n_best_is_the_beam_ranked_and_its_first_is_the_translation(translator):
 def test_alignments_are_the_argmax_of_the_penultimate_layers_cross_attention(translator):
   links = translator.alignments(LINES, TARGETS)
   processor, model = translator.processor, translator.model
-  for source, target, line in zip(LINES, TARGETS, links):
+  width = max(len(processor.encode(text)) for text in LINES + TARGETS) + 1
+  padded = lambda rows: np.array([row + [1] + [0] * (width - 1 - len(row)) for row in rows], np.int32)  # [b, width]
+  forward = jax.jit(lambda params, inputs, targets: model.apply({'params': params}, inputs, targets,
+                                                                mutable=['intermediates'])[1])
+  variables = forward(translator.params, padded([processor.encode(s) for s in LINES]),
+                      padded([processor.encode(t) for t in TARGETS]))  # one forward pass, padding masked
+  cross = variables['intermediates']['decoder']['cross_attention']['attention_weights'][0]  # [layers, b, h, t, s]
+  for row, (source, target, line) in enumerate(zip(LINES, TARGETS, links)):
     if not source:
       assert line == ''
       continue
     source_ids, target_ids = processor.encode(source), processor.encode(target)
-    _, variables = model.apply({'params': translator.params}, np.array([source_ids + [1]]),
-                               np.array([target_ids + [1]]), mutable=['intermediates'])
-    weights = variables['intermediates']['decoder']['cross_attention']['attention_weights'][0][-2, 0].mean(0)
+    weights = np.asarray(cross[-2, row]).mean(0)
     word = lambda ids: np.cumsum([i == 0 or processor.id_to_piece(x).startswith('\u2581') for i, x in enumerate(ids)]) - 1
     expected = sorted({(int(word(source_ids)[np.argmax(weights[t, :len(source_ids)])]), int(word(target_ids)[t]))
                        for t in range(len(target_ids))})
@@ -164,10 +170,11 @@ def test_an_ensemble_of_two_models_scores_the_mean_of_their_log_probabilities(tr
   sources, targets = LINES[:4], TARGETS[:4]
   source_ids, target_ids = ([translator.processor.encode(t) + [1] for t in texts] for texts in (sources, targets))
   pad = lambda rows: np.array([row + [0] * (max(map(len, rows)) - len(row)) for row in rows], np.int32)
-  logs = [np.asarray(jax.nn.log_softmax(jax.jit(Transformer(c).apply)({'params': p}, pad(source_ids),
-                                                                     pad(target_ids)).astype(np.float64), axis=-1))
+  log_softmax = lambda x: x - np.log(np.sum(np.exp(x - x.max(-1, keepdims=True)), -1, keepdims=True)) - x.max(-1, keepdims=True)
+  logs = [log_softmax(np.asarray(jax.jit(Transformer(c).apply)({'params': p}, pad(source_ids), pad(target_ids)),
+                                 np.float64))
           for p, c in ((translator.params, translator.model_config), (other, other_config))]  # [4, t, v] each
-  q = np.asarray(jax.nn.log_softmax((logs[0] + logs[1]) / 2, axis=-1))
+  q = log_softmax((logs[0] + logs[1]) / 2)
   expected = [float(sum(q[i, t, y] for t, y in enumerate(target))) for i, target in enumerate(target_ids)]
   np.testing.assert_allclose(ensemble.score(sources, targets), expected, rtol=1e-4)
   with pytest.raises(UserError, match='alignments come from one model'):
