@@ -79,12 +79,13 @@ MUTATIONS = [
     ('maximum output input + 50 -> + 40', 'configs/base.py', 'config.max_extra_length = 50',
      'config.max_extra_length = 40', DECODE_TESTS + ' tests/test_commands_translate.py'),
     ('beam search stops early on any finished sentence', 'flax_transformer/search.py',
-     'return (step < length) & ~jnp.all(sentence_done)', 'return (step < length) & ~jnp.any(sentence_done)',
+     "return (state['step'] < length) & (jnp.sum(~done(state)) > floor)",
+     "return (state['step'] < length) & ~jnp.any(done(state))",
      DECODE_TESTS),
     ('checkpoint averaging over k + 1', 'flax_transformer/weights.py', '    if len(trees) == count:',
      '    if len(trees) == count + 1:', 'tests/test_weights.py'),
     ('every reordered hypothesis handed its sentence\'s first beam', 'flax_transformer/search.py',
-     'parent_rows = (live_beam + jnp.arange(batch)[:, None] * n)', 'parent_rows = (live_beam * 0 + jnp.arange(batch)[:, None] * n)',
+     'parent_rows = (live_beam + jnp.arange(rows)[:, None] * n)', 'parent_rows = (live_beam * 0 + jnp.arange(rows)[:, None] * n)',
      DECODE_TESTS),
     ('three-way embedding tie broken (output projection)', 'flax_transformer/model.py',
      'return self.target_embedding.embedding', 'return jax.lax.stop_gradient(self.target_embedding.embedding) * 0.5',
@@ -131,6 +132,10 @@ def main():
   if args.list:
     print('\n'.join(f'{m[0]}  [{m[1]}]' for m in chosen))
     return 0
+  for name, path, original, _, _ in chosen:  # every line still where it was, before minutes of tests
+    with open(os.path.join(ROOT, path)) as f:
+      if f.read().count(original) != 1:
+        raise SystemExit(f'error: {path} no longer holds {original!r} once (mutation {name!r}); update MUTATIONS')
   with tempfile.TemporaryDirectory() as root:
     copies = queue.Queue()  # one copy of the repository per worker: a worker mutates only its own
     for worker in range(args.workers):
