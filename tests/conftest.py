@@ -148,7 +148,7 @@ def _trained_run(tmp_path_factory):
 
 @pytest.fixture(scope='session', autouse=True)
 def _trained_run_in_background(request, tmp_path_factory):
-  """Starts the shared run's train.py as the session starts, when a collected test needs it, so that it trains
+  """Starts the shared run's train.py as pytest starts, when a collected test needs it, so that it trains
   while the first tests run (those tests are ordered last) instead of keeping a worker waiting."""
   thread = None
   tmp_path_factory.getbasetemp()  # made here, once: the thread and the first test would both create it
