@@ -104,8 +104,7 @@ def _phased(not_done, body, state: dict, done, select_sentences, results: tuple[
     kept = {name: kept[name].at[state['origin']].set(state[name]) for name in results}
     if floor:
       rows = jnp.argsort(done(state), stable=True)[:floor]  # [floor]: the unfinished first
-      state = {k: select_sentences(v, rows) if k == 'cache' else v if k == 'step' else jnp.take(v, rows, axis=0)
-               for k, v in state.items()}
+      state = {k: (select_sentences if k == 'cache' else select_leading)(v, rows) for k, v in state.items()}
   return {**state, **kept}
 
 

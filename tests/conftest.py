@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(items):
   the first failing test of the files named, as tools/mutation_check.py expects. Tests that need an
   accelerator are skipped unless TEST_ON_ACCELERATOR=1."""
   if os.environ.get('PYTEST_XDIST_WORKER'):
-    items.sort(key=lambda item: (item.get_closest_marker('slow') is None, 'trained_run' in item.fixturenames))
+    items.sort(key=lambda item: (item.get_closest_marker('slow') is None, _uses_trained_run(item)))
   if not ON_ACCELERATOR:
     skip = pytest.mark.skip(reason='needs a GPU or TPU: bench/gpu.sh runs it (TEST_ON_ACCELERATOR=1)')
     for item in items:
@@ -132,6 +132,10 @@ def subprocess_env(devices=1):
 TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4', '--config.ema_decay=0.9')
 
 
+def _uses_trained_run(item) -> bool:
+  return 'trained_run' in getattr(item, 'fixturenames', ())
+
+
 def _trained_run(tmp_path_factory):
   """Builds the shared 12-step run unless this pytest run has (or another worker is building it: then waits)."""
   from tests.helpers.corpus import write_corpus
@@ -152,7 +156,7 @@ def _trained_run_in_background(request, tmp_path_factory):
   while the first tests run (those tests are ordered last) instead of keeping a worker waiting."""
   thread = None
   tmp_path_factory.getbasetemp()  # made here, once: the thread and the first test would both create it
-  if any('trained_run' in getattr(item, 'fixturenames', ()) for item in request.session.items):
+  if any(_uses_trained_run(item) for item in request.node.items):  # the node of a pytest-wide fixture: all tests
     thread = threading.Thread(target=lambda: _trained_run(tmp_path_factory), daemon=True)
     thread.start()
   yield
