@@ -137,16 +137,76 @@ def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None
   return bias
 
 
-def ancestry_bias(ancestry: jax.Array, step: jax.Array) -> jax.Array:
-  """The additive bias [b, 1, n, L·n] of the flat self-attention cache (CACHED_SELF) at `step`: hypothesis j
-  sees slot s·n + i (what hypothesis i wrote at step s) iff s ≤ step and its ancestor at step s was i.
+def ancestry_bias(ancestry: jax.Array, step: jax.Array, first_step: jax.Array | int = 0) -> jax.Array:
+  """The additive bias [b, 1, n, C·n] of the flat self-attention cache (CACHED_SELF) at `step`, over the C steps
+  of `ancestry` from `first_step` on: hypothesis j sees slot s·n + i (what hypothesis i wrote at step s) iff
+  s ≤ step and its ancestor at step s was i.
 
-  ancestry [b, n, L] int32: ancestry[:, j, s] is the beam index of hypothesis j's ancestor at step s (its own
-  index at `step`). The beam search reorders this table, never the cache (Lingvo's flat beam search).
+  ancestry [b, n, C] int32: ancestry[:, j, s - first_step] is the beam index of hypothesis j's ancestor at step s
+  (its own index at `step`). The beam search reorders this table, never the cache (Lingvo's flat beam search).
   """
   batch, n, length = ancestry.shape
-  visible = (ancestry[..., None] == jnp.arange(n)) & (jnp.arange(length)[:, None] <= step)  # [b, n, L, n]
+  steps = first_step + jnp.arange(length)  # [C]
+  visible = (ancestry[..., None] == jnp.arange(n)) & (steps[:, None] <= step)  # [b, n, C, n]
   return jnp.where(visible, 0.0, ATTENTION_MASK_VALUE).astype(jnp.float32).reshape(batch, 1, n, length * n)
+
+
+# Steps of the flat self-attention cache that one pass of flat_cache_attention reads: a step reads only the
+# chunks written so far (the output ends long before the input + 50 steps the cache is sized for).
+CACHE_CHUNK_STEPS = 8
+
+
+def cache_steps(max_output_length: int, chunk_steps: int = CACHE_CHUNK_STEPS) -> int:
+  """The steps a flat self-attention cache holds for `max_output_length`: whole chunks."""
+  return -(-max_output_length // chunk_steps) * chunk_steps
+
+
+def flat_cache_attention(query, key, value, ancestry, step):
+  """Self-attention of one decoding step over the flat cache (CACHED_SELF) held in chunks (chunked_cache),
+  reading only the chunks written so far: softmax over the visible slots (ancestry_bias), accumulated chunk by
+  chunk as running maxima and sums (online softmax), in a loop of step // C + 1 trips.
+
+  query [b, n, h, d]; key [L/C, b, h, d, C·n]; value [L/C, b, h, C·n, d]; ancestry [b, n, L] int32 -> context
+  [b, h, n, d] float32. Every chunk read holds a visible slot for every hypothesis (one per step up to `step`),
+  so the running maxima are finite after the first.
+  """
+  batch, n, heads, d = query.shape
+  chunk_steps = key.shape[-1] // n
+  query = query.astype(jnp.float32) / np.sqrt(d)
+
+  def chunk(c, carry):
+    running_max, running_sum, context = carry  # [b, h, n], [b, h, n], [b, h, n, d]
+    keys = jax.lax.dynamic_index_in_dim(key, c, keepdims=False)  # [b, h, d, C·n]: one contiguous block
+    values = jax.lax.dynamic_index_in_dim(value, c, keepdims=False)  # [b, h, C·n, d]
+    lineage = jax.lax.dynamic_slice_in_dim(ancestry, c * chunk_steps, chunk_steps, axis=2)  # [b, n, C]
+    logits = jnp.einsum(CACHED_SELF[0], query, keys.astype(jnp.float32))  # [b, h, n, C·n]
+    logits = logits + ancestry_bias(lineage, step, c * chunk_steps)
+    new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))  # [b, h, n]
+    weights = jnp.exp(logits - new_max[..., None])  # [b, h, n, C·n]
+    rescale = jnp.exp(running_max - new_max)  # [b, h, n]: 0 on the first chunk
+    context = context * rescale[..., None] + jnp.einsum(CACHED_SELF[1], weights, values.astype(jnp.float32))
+    return new_max, running_sum * rescale + jnp.sum(weights, axis=-1), context
+
+  start = (jnp.full((batch, heads, n), -jnp.inf, jnp.float32), jnp.zeros((batch, heads, n), jnp.float32),
+           jnp.zeros((batch, heads, n, d), jnp.float32))
+  _, total, context = jax.lax.fori_loop(0, step // chunk_steps + 1, chunk, start)
+  return context / total[..., None]  # [b, h, n, d]
+
+
+def chunked_cache(key: jax.Array, value: jax.Array, n: int, chunk_steps: int = CACHE_CHUNK_STEPS):
+  """A flat cache key [b, h, d, L·n], value [b, h, L·n, d] as the chunks flat_cache_attention reads: key
+  [L/C, b, h, d, C·n], value [L/C, b, h, C·n, d] (C = chunk_steps; L a multiple of it)."""
+  batch, heads, d, slots = key.shape
+  chunks = slots // (chunk_steps * n)
+  return (key.reshape(batch, heads, d, chunks, chunk_steps * n).transpose(3, 0, 1, 2, 4),
+          value.reshape(batch, heads, chunks, chunk_steps * n, d).transpose(2, 0, 1, 3, 4))
+
+
+def whole_cache(key: jax.Array, value: jax.Array):
+  """chunked_cache's inverse: key [b, h, d, L·n], value [b, h, L·n, d]."""
+  chunks, batch, heads, d, width = key.shape
+  return (key.transpose(1, 2, 3, 0, 4).reshape(batch, heads, d, chunks * width),
+          value.transpose(1, 2, 0, 3, 4).reshape(batch, heads, chunks * width, d))
 
 
 def _fmix32(x: jax.Array) -> jax.Array:
@@ -307,40 +367,51 @@ class MultiHeadAttention(nn.Module):
 
   def init_cache(self, batch_size: int, max_output_length: int, memory: jax.Array | None = None,
                  beam_size: int = 1) -> dict:
-    """The decoding cache of `batch_size` sentences: CACHED_SELF, zeros for max_output_length steps of
-    `beam_size` hypotheses each (keys [b, h, d, L·n], values [b, h, L·n, d]); CACHED_CROSS, memory [b, s, e]
+    """The decoding cache of `batch_size` sentences: CACHED_SELF, zeros for max_output_length steps (rounded up
+    to whole chunks, cache_steps) of `beam_size` hypotheses each, in chunks of C steps (chunked_cache: keys
+    [L/C, b, h, d, C·n], values [L/C, b, h, C·n, d]); CACHED_CROSS, memory [b, s, e]
     projected (keys [b, h, d, s], values [b, h, s, d])."""
     h, d = self.num_heads, self.d_model // self.num_heads
     if self.self_attention:
-      slots = max_output_length * beam_size
-      return {'key': jnp.zeros((batch_size, h, d, slots), self.dtype),
-              'value': jnp.zeros((batch_size, h, slots, d), self.dtype)}
+      chunks, width = cache_steps(max_output_length) // CACHE_CHUNK_STEPS, CACHE_CHUNK_STEPS * beam_size
+      return {'key': jnp.zeros((chunks, batch_size, h, d, width), self.dtype),
+              'value': jnp.zeros((chunks, batch_size, h, width, d), self.dtype)}
     key, value = self._project(memory, 'kv')  # each [b, s, h, d]
     return {'key': jnp.transpose(key, (0, 2, 3, 1)), 'value': jnp.transpose(value, (0, 2, 1, 3))}
 
-  def decode_step(self, x, cache, step, bias):
-    """x [b·n, 1, e] (n hypotheses a sentence) at position `step` -> ([b·n, 1, e], cache). `bias`: the
-    self-attention's ancestry_bias [b, 1, n, L·n] (this step's keys and values are written in place first,
-    at slots step·n … step·n + n - 1), or the encoder-decoder's padding_bias [b, 1, 1, s]. The written-out
-    core: one query per hypothesis leaves a fused kernel no tile to save."""
-    batch = cache['key'].shape[0]
+  def decode_step(self, x, cache, step, context):
+    """x [b·n, 1, e] (n hypotheses a sentence) at position `step` -> ([b·n, 1, e], cache). `context`: for
+    self-attention the ancestry table [b, n, L] (layers.ancestry_bias; this step's keys and values are written
+    in place first, at slots step·n … step·n + n - 1, and read through flat_cache_attention); for
+    encoder-decoder attention the padding_bias [b, 1, 1, s]. The written-out core: one query per hypothesis
+    leaves a fused kernel no tile to save. With mutable=['intermediates'] the weights are sown, [bn, h, 1, k]
+    (self-attention: per step, over the whole cache in one softmax)."""
     h, d = self.num_heads, self.d_model // self.num_heads
-    if self.self_attention:
-      query, key, value = (y.reshape(batch, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [b, n, h, d]
-      n = query.shape[1]
-      cache = {'key': jax.lax.dynamic_update_slice_in_dim(cache['key'], key.transpose(0, 2, 3, 1), step * n, axis=3),
-               'value': jax.lax.dynamic_update_slice_in_dim(cache['value'], value.transpose(0, 2, 1, 3), step * n,
-                                                            axis=2)}  # [b, h, d, L·n], [b, h, L·n, d]
-    else:
+    if not self.self_attention:
+      batch = cache['key'].shape[0]
       query = self._project(x[:, 0], 'q').reshape(batch, -1, h, d)  # [b, n, h, d]
-    context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], bias,
-                                                    layout=CACHED_CROSS)  # [b, h, n, d], [b, h, n, k]
-    n = query.shape[1]
-    if self.self_attention:  # per position: each step has one visible slot (the ancestor's)
-      weights = weights.reshape(*weights.shape[:3], -1, n).sum(-1)  # [b, h, n, L]
-    self.sow('intermediates', 'attention_weights',
-             jnp.swapaxes(weights, 1, 2).reshape(-1, weights.shape[1], 1, weights.shape[-1]))  # [bn, h, 1, k]
-    return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [bn, 1, e]
+      context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], context,
+                                                      layout=CACHED_CROSS)  # [b, h, n, d], [b, h, n, s]
+      self.sow('intermediates', 'attention_weights',
+               jnp.swapaxes(weights, 1, 2).reshape(-1, h, 1, weights.shape[-1]))  # [bn, h, 1, s]
+      return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [bn, 1, e]
+    batch = cache['key'].shape[1]
+    query, key, value = (y.reshape(batch, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [b, n, h, d]
+    n, ancestry = query.shape[1], context
+    chunk, offset = step // CACHE_CHUNK_STEPS, step % CACHE_CHUNK_STEPS * n  # this step's slots
+    zero = jnp.zeros((), jnp.int32)
+    cache = {'key': jax.lax.dynamic_update_slice(cache['key'], key.transpose(0, 2, 3, 1)[None],
+                                                 (chunk, zero, zero, zero, offset)),  # [L/C, b, h, d, C·n]
+             'value': jax.lax.dynamic_update_slice(cache['value'], value.transpose(0, 2, 1, 3)[None],
+                                                   (chunk, zero, zero, offset, zero))}  # [L/C, b, h, C·n, d]
+    if self.is_mutable_collection('intermediates'):
+      attended, weights = scaled_dot_product_attention(query, *whole_cache(cache['key'], cache['value']),
+                                                       ancestry_bias(ancestry, step), layout=CACHED_SELF)
+      weights = weights.reshape(*weights.shape[:3], -1, n).sum(-1)  # [b, h, n, L]: one visible slot a step
+      self.sow('intermediates', 'attention_weights', jnp.swapaxes(weights, 1, 2).reshape(-1, h, 1, weights.shape[-1]))
+    else:
+      attended = flat_cache_attention(query, cache['key'], cache['value'], ancestry, step).astype(query.dtype)
+    return self._output(jnp.swapaxes(attended, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [bn, 1, e]
 
 
 class PositionwiseFeedForward(nn.Module):

@@ -135,13 +135,13 @@ class DecoderLayer(nn.Module):
     return {'self': self.self_attention.init_cache(batch, max_output_length, beam_size=beam_size),
             'cross': self.cross_attention.init_cache(batch, max_output_length, memory)}
 
-  def decode_step(self, y, cache, step, self_bias, memory_bias):
-    """y [b·n, 1, e], self_bias [b, 1, n, L·n] (layers.ancestry_bias), memory_bias [b, 1, 1, s] -> ([b·n, 1, e],
+  def decode_step(self, y, cache, step, ancestry, memory_bias):
+    """y [b·n, 1, e], ancestry [b, n, L] (layers.ancestry_bias), memory_bias [b, 1, 1, s] -> ([b·n, 1, e],
     updated cache)."""
     new_cache = {}
 
     def self_attention(z):
-      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], step, self_bias)
+      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], step, ancestry)
       return out
 
     def cross_attention(z):
@@ -195,11 +195,11 @@ class DecoderStack(nn.Module):
     """memory [b, s, e] -> one cache per layer (layout: Transformer.init_cache)."""
     return tuple(layer.init_cache(memory, beam_size, max_output_length) for layer in self.layers)
 
-  def decode_step(self, y, caches, step, self_bias, memory_bias):
+  def decode_step(self, y, caches, step, ancestry, memory_bias):
     """y [b·n, 1, e], caches from init_cache -> ([b·n, 1, e], updated caches)."""
     new_caches = []
     for layer, cache in zip(self.layers, caches):
-      y, cache = layer.decode_step(y, cache, step, self_bias, memory_bias)
+      y, cache = layer.decode_step(y, cache, step, ancestry, memory_bias)
       new_caches.append(cache)
     return y, tuple(new_caches)
 
@@ -284,17 +284,19 @@ class Transformer(nn.Module):
     """The decoding cache for `max_output_length` steps of `beam_size` hypotheses per sentence.
 
     encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
+    L is max_output_length rounded up to whole chunks of the self-attention's reads (layers.cache_steps).
     Returns {'step': int32 scalar, 'ancestry': [b, n, L] int32 (layers.ancestry_bias), 'layers': one dict per
-    decoder layer, each {'self': {'key' [b, h, d, L·n], 'value' [b, h, L·n, d]}, 'cross': {'key' [b, h, d, s],
-    'value' [b, h, s, d]}}}. The self-attention cache is flat: each hypothesis writes its keys and values at
-    step t into slot t·n + its beam index, in place, and they never move; a reordered beam changes only the
-    ancestry table, through which each hypothesis reads its own prefix. Keys with d before positions, so each
-    step's products are matrix products without transposes; separate per-layer buffers (not one stacked
-    array) let each step update them in place.
+    decoder layer, each {'self': {'key' [L/C, b, h, d, C·n], 'value' [L/C, b, h, C·n, d]}, 'cross': {'key'
+    [b, h, d, s], 'value' [b, h, s, d]}}}. The self-attention cache is flat: each hypothesis writes its keys and
+    values at step t into slot t·n + its beam index, in place, and they never move; a reordered beam changes
+    only the ancestry table, through which each hypothesis reads its own prefix. It is held in chunks of C
+    steps (layers.chunked_cache), the chunk index outermost, so a step reads the chunks written so far as
+    contiguous blocks. Keys with d before positions, so each step's products are matrix products without
+    transposes; separate per-layer buffers (not one stacked array) let each step update them in place.
     """
     layer_caches = self.decoder.init_cache(encoded, beam_size, max_output_length)
     return {'step': jnp.zeros((), jnp.int32),
-            'ancestry': jnp.zeros((encoded.shape[0], beam_size, max_output_length), jnp.int32),
+            'ancestry': jnp.zeros((encoded.shape[0], beam_size, layers.cache_steps(max_output_length)), jnp.int32),
             'layers': layer_caches}
 
   @staticmethod
@@ -305,13 +307,21 @@ class Transformer(nn.Module):
     ancestry = cache['ancestry'].reshape(batch * n, length)[rows].reshape(batch, n, length)
     return {**cache, 'ancestry': ancestry}
 
+  @staticmethod
+  def select_sentences(cache: dict, rows: jax.Array) -> dict:
+    """The cache of sentences `rows` [b'] alone (every hypothesis of each): the search's compaction."""
+    def take(tree, axis):
+      return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=axis), tree)
+    return {'step': cache['step'], 'ancestry': take(cache['ancestry'], 0),
+            'layers': tuple({'self': take(layer['self'], 1), 'cross': take(layer['cross'], 0)}
+                            for layer in cache['layers'])}
+
   def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
     step = cache['step']
     n = cache['ancestry'].shape[1]
     ancestry = cache['ancestry'].at[:, :, step].set(jnp.arange(n, dtype=jnp.int32))  # [b, n, L]: own slot now
-    self_bias = layers.ancestry_bias(ancestry, step)  # [b, 1, n, L·n]
     memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
     y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
-    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, self_bias, memory_bias)
+    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, ancestry, memory_bias)
     return self._logits(y)[:, 0], {'step': step + 1, 'ancestry': ancestry, 'layers': layer_caches}

@@ -42,28 +42,64 @@ def length_penalty(length, length_penalty_alpha: float):
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** length_penalty_alpha
 
 
-def top_k(x: jax.Array, k: int, beam_top_k: str = 'lax'):
+def _block_size(width: int, k: int) -> int | None:
+  """The blocks of top_k's first stage: 32–64 entries, a divisor of the width; None where blocks do not pay."""
+  block = next((b for b in range(64, 31, -1) if width % b == 0), None)
+  return None if block is None or width < 4 * k * block else block
+
+
+def top_k(x: jax.Array, k: int, beam_top_k: str = 'lax', excluded: int | None = None):
   """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages
   (beam_top_k 'two_stage'), or `jax.lax.top_k` itself (beam_top_k 'lax'); a run's 'auto' is made by settings.py.
+  `excluded`: a column never chosen (as if it held -inf).
 
   XLA:CPU's top-k sorts each whole row; over a vocabulary that costs more than the rest of a beam step.
-  The k largest entries lie in the k blocks (of 64–128 entries, a divisor of v) with the largest
+  The k largest entries lie in the k blocks (of 32–64 entries, a divisor of v) with the largest
   maxima, so the search takes those blocks' maxima, then the top k of the entries of the chosen blocks
   (in index order, so ties resolve to the lowest index, as lax.top_k does).
   """
   if beam_top_k not in platforms.TOP_K:
     raise ValueError(f'beam_top_k={beam_top_k!r}: use one of {platforms.TOP_K}')
-  rows, width = x.shape
-  block = next((b for b in range(128, 63, -1) if width % b == 0), None)
-  if beam_top_k == 'lax' or block is None or width < 4 * k * block:
+  block = _block_size(x.shape[-1], k)
+  if beam_top_k == 'lax' or block is None:
+    if excluded is not None:
+      x = jnp.where(jnp.arange(x.shape[-1]) == excluded, -jnp.inf, x)
     return jax.lax.top_k(x, k)
-  blocks = x.reshape(rows, width // block, block)  # [r, nb, block]
-  _, best_blocks = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [r, k]
+  blocks = x.reshape(x.shape[0], -1, block)  # [r, nb, block]
+  return _blocked_top_k(blocks, jnp.max(blocks, axis=-1), k, excluded)
+
+
+def _blocked_top_k(blocks: jax.Array, block_maxima: jax.Array, k: int, excluded: int | None):
+  """top_k's two stages over blocks [r, nb, block] whose maxima [r, nb] are given; `excluded` as top_k's.
+  Reads only the k chosen blocks of each row."""
+  rows, _, block = blocks.shape
+  if excluded is not None:  # the maximum of the excluded entry's block without it
+    home, within = divmod(excluded, block)
+    others = jnp.where(jnp.arange(block) == within, -jnp.inf, blocks[:, home])  # [r, block]
+    block_maxima = block_maxima.at[:, home].set(jnp.max(others, axis=-1))
+  _, best_blocks = jax.lax.top_k(block_maxima, k)  # [r, k]
   best_blocks = jnp.sort(best_blocks, axis=-1)
   candidates = jnp.take_along_axis(blocks, best_blocks[:, :, None], axis=1).reshape(rows, k * block)  # [r, k·block]
+  indices = (best_blocks[:, :, None] * block + jnp.arange(block)).reshape(rows, k * block)  # [r, k·block]
+  if excluded is not None:
+    candidates = jnp.where(indices == excluded, -jnp.inf, candidates)
   values, position = jax.lax.top_k(candidates, k)  # [r, k]
-  indices = jnp.take_along_axis(best_blocks, position // block, axis=1) * block + position % block
-  return values, indices
+  return values, jnp.take_along_axis(indices, position, axis=1)
+
+
+def best_tokens(logits: jax.Array, k: int, beam_top_k: str):
+  """Each row's k most probable tokens other than padding and the row's log-normaliser: logits [r, v] ->
+  (their logits [r, k], tokens [r, k], logsumexp [r, 1]). Two-stage, the blocks' maxima also give the
+  normaliser's shift: the logits are read twice (maxima, exponentials) plus the chosen blocks."""
+  block = _block_size(logits.shape[-1], k)
+  if beam_top_k == 'lax' or block is None:
+    values, tokens = top_k(logits, k, beam_top_k, excluded=PAD_ID)
+    return values, tokens, jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  blocks = logits.reshape(logits.shape[0], -1, block)  # [r, nb, block]
+  block_maxima = jnp.max(blocks, axis=-1)  # [r, nb]
+  shift = jnp.max(block_maxima, axis=-1, keepdims=True)  # [r, 1]
+  normaliser = shift + jnp.log(jnp.sum(jnp.exp(logits - shift), axis=-1, keepdims=True))  # [r, 1]
+  return (*_blocked_top_k(blocks, block_maxima, k, PAD_ID), normaliser)
 
 
 def gather_leading_rows(tree, rows):
@@ -75,7 +111,7 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
-def phase_sizes(batch: int, smallest: int = 32, compactions: int = 3) -> list[int]:
+def phase_sizes(batch: int, smallest: int = 8, compactions: int = 6) -> list[int]:
   """The batch sizes a search compacts its sentences into as they finish: halving (rounded up to a multiple of
   8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under twice `smallest`."""
   sizes = [batch]
@@ -194,13 +230,11 @@ def _extensions(live_scores, logits, n: int, beam_top_k: str):
   """The 2n best one-token extensions of each sentence's n live hypotheses (2n always include n that do not
   end): live_scores [b, n], logits [b·n, v] -> (scores [b, 2n], parent beam [b, 2n], token [b, 2n])."""
   batch = live_scores.shape[0]
-  logits = logits.astype(jnp.float32)  # [bn, v]
-  log_normalizer = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [bn, 1]
-  logits = logits.at[:, PAD_ID].set(IMPOSSIBLE_SCORE)  # padding is never produced
   # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps a row's
-  # order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array).
-  per_row = min(2 * n, logits.shape[-1])
-  row_logits, row_tokens = top_k(logits, per_row, beam_top_k)  # [bn, k]
+  # order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array). Padding is never
+  # produced.
+  per_row = min(2 * n, logits.shape[-1] - 1)
+  row_logits, row_tokens, log_normalizer = best_tokens(logits.astype(jnp.float32), per_row, beam_top_k)  # [bn, k]
   row_log_probs = (row_logits - log_normalizer).reshape(batch, n, per_row)  # [b, n, k]
   candidates = (live_scores[:, :, None] + row_log_probs).reshape(batch, n * per_row)  # [b, n·k]
   top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [b, 2n]
@@ -237,7 +271,7 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
     logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
     logits = logits.astype(jnp.float32)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # [b]
-    logits = logits.at[:, PAD_ID].set(IMPOSSIBLE_SCORE)
+    logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, IMPOSSIBLE_SCORE, logits)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]: log-softmax keeps the row's order
     log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
     token = jnp.where(state['ended'], PAD_ID, token)
@@ -294,13 +328,17 @@ def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alp
   def reorder_cache(caches, rows):
     return {**caches, 'members': tuple(type(m).reorder_cache(c, rows) for m, c in zip(models, caches['members']))}
 
+  def select_sentences(caches, rows):
+    return {'inputs': caches['inputs'][rows],
+            'members': tuple(type(m).select_sentences(c, rows) for m, c in zip(models, caches['members']))}
+
   if beam_size <= 1:
     tokens, scores = greedy_search(tokens_to_logits, caches, batch, max_lengths, max_output_length,
-                                   select_sentences=select_leading)
+                                   select_sentences=select_sentences)
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
   return beam_search(tokens_to_logits, caches, batch, max_lengths, max_output_length, beam_size,
                      length_penalty_alpha, reorder_cache=reorder_cache, beam_top_k=beam_top_k,
-                     num_results=num_results, select_sentences=select_leading)
+                     num_results=num_results, select_sentences=select_sentences)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import search
+from flax_transformer import layers, search
 from flax_transformer.model import Transformer
 from tests.conftest import random_batch
 
@@ -159,14 +159,20 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
 
 
 @pytest.mark.parametrize('ties', [False, True])
-@pytest.mark.parametrize('width', [128 * 40, 6000])  # blocks of 128; of 125 (Multi30k's vocabulary)
-def test_blocked_top_k_equals_lax_top_k(ties, width):
-  """Beam search's two-stage top-k returns exactly lax.top_k's values and indices, ties included."""
+@pytest.mark.parametrize('width,excluded', [(64 * 80, None), (6000, 0), (6000, 77)])  # blocks of 64; of 60
+def test_blocked_top_k_equals_lax_top_k(ties, width, excluded):
+  """Beam search's two-stage top-k returns exactly lax.top_k's values and indices, ties included, also with a
+  column left out (padding, in the beam search)."""
   rng = np.random.default_rng(0)
   shape = (16, width)
   # Integers below 1000: the 8 largest of 5120 often tie, within and across blocks.
   x = rng.integers(0, 1000, shape).astype(np.float32) if ties else rng.normal(size=shape).astype(np.float32)
-  values, indices = jax.jit(search.top_k, static_argnums=(1, 2))(x, 8, 'two_stage')
+  if excluded is not None:
+    x[:, excluded] = x.max() + 1  # every row's largest entry, left out all the same
+    x[3, excluded + 1] = x.max() + 1  # beside it, in its block: row 3's best
+  values, indices = jax.jit(search.top_k, static_argnums=(1, 2, 3))(x, 8, 'two_stage', excluded)
+  if excluded is not None:
+    x[:, excluded] = -np.inf
   expected_values, expected_indices = jax.lax.top_k(x, 8)
   np.testing.assert_array_equal(values, expected_values)
   np.testing.assert_array_equal(indices, expected_indices)
@@ -260,7 +266,8 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
   params = nn.meta.unbox(model.init(jax.random.key(0), inputs, inputs)['params'])
   text = search.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
   h, d = small_model_config.num_heads, small_model_config.d_model // small_model_config.num_heads
-  shapes = {f'f32[{b},{h},{d},{length * n}]', f'f32[{b},{h},{length * n},{d}]'}
+  chunks, width = length // layers.CACHE_CHUNK_STEPS, layers.CACHE_CHUNK_STEPS * n
+  shapes = {f'f32[{chunks},{b},{h},{d},{width}]', f'f32[{chunks},{b},{h},{width},{d}]'}
   blocks = _hlo_computations(text)
   bodies = set(re.findall(r'while\([^\n]*?body=%([\w.\-]+)', text))
   assert bodies and any(shape in line for body in bodies for line in blocks[body] for shape in shapes)
@@ -281,7 +288,7 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
 @pytest.mark.parametrize('beam,results', [(1, None), (4, None), (4, 2)])
 def test_finished_sentences_leave_the_batch_without_changing_a_result(small_model_config, monkeypatch, beam, results):
   """64 sentences of varied lengths (and 8 padding rows) finish at different steps: the search that drops them
-  (phases of 64 and 32 rows) returns the tokens and scores of the one that keeps every row to the end."""
+  (phases of 64, 32, 16 and 8 rows) returns the tokens and scores of the one that keeps every row to the end."""
   config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
   inputs = random_batch(np.random.default_rng(2), 64, 9, 5, config.vocab_size)['inputs']
   inputs[56:] = 0  # padding rows, as translation batches have
@@ -289,7 +296,7 @@ def test_finished_sentences_leave_the_batch_without_changing_a_result(small_mode
   params = nn.meta.unbox(model.init(jax.random.key(6), inputs, inputs)['params'])
   translate = functools.partial(search.translate_batch, model=model, beam_size=beam, length_penalty_alpha=0.6,
                                 max_extra_length=4, max_output_length=16, num_results=results)
-  assert search.phase_sizes(64) == [64, 32] and search.phase_sizes(304) == [304, 152, 80, 40]
+  assert search.phase_sizes(64) == [64, 32, 16, 8] and search.phase_sizes(304) == [304, 152, 80, 40, 24, 16, 8]
   phased = jax.jit(translate)(params, inputs)
   monkeypatch.setattr(search, 'phase_sizes', lambda batch: [batch])
   whole = jax.jit(translate)(params, inputs)
