@@ -11,9 +11,10 @@ The beam-4 search of this tree against the package at git revision REV (imported
 and REV's search with its cache never reordered (timing only: wrong translations), on the same weights and
 sources, alternating round by round; medians and per-round ratios.
 
-python bench/decode.py --workdir=RUN --sentences=FILE [--rounds=3]
-Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 through
-the Translator, and with the same weights exported to CTranslate2 float32, beam 4, alternating.
+python bench/decode.py --workdir=RUN --sentences=FILE [--references=FILE] [--rounds=3]
+Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 and greedy
+search through the Translator, and with the same weights exported to CTranslate2 float32, alternating; BLEU
+against the references; the decoding program's peak memory.
 """
 
 import argparse
@@ -53,15 +54,17 @@ def no_eos(tokens_to_logits):
   return wrapped
 
 
-def cached(params, inputs, model, beam_size, output_length=OUTPUT_LENGTH):
-  """Our decoder: KV cache, encoder keys/values once per sentence; exactly `output_length` tokens."""
+def cached(params, inputs, model, beam_size, output_length=OUTPUT_LENGTH, cache_length=None):
+  """Our decoder: KV cache, encoder keys/values once per sentence; exactly `output_length` tokens, from a cache
+  of `cache_length` positions (default: output_length), as translation sizes it for input + 50."""
+  cache_length = cache_length or output_length
   encoded = model.apply({'params': params}, inputs, method=model.encode)
-  cache = model.apply({'params': params}, encoded, beam_size, output_length, method=model.init_cache)
+  cache = model.apply({'params': params}, encoded, beam_size, cache_length, method=model.init_cache)
   step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
   lengths = jnp.full((inputs.shape[0],), output_length)
   if beam_size == 1:
-    return search.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, output_length)[0]
-  return search.beam_search(no_eos(step), cache, inputs.shape[0], lengths, output_length, beam_size,
+    return search.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, cache_length, beam_top_k=TOP_K)[0]
+  return search.beam_search(no_eos(step), cache, inputs.shape[0], lengths, cache_length, beam_size,
                             reorder_cache=type(model).reorder_cache, beam_top_k=TOP_K)[0]
 
 
@@ -203,13 +206,20 @@ def against(revision: str, rounds: int):
   print(json.dumps({name: round(BATCH / statistics.median(times), 1) for name, times in seconds.items()}))
 
 
-def real_sentences(workdir: str, sentences_path: str, rounds: int):
-  """A trained model on real sentences (EOS ends each): ours through the Translator vs CTranslate2 float32."""
-  from flax_transformer import parallel_text
+def real_sentences(workdir: str, sentences_path: str, references_path: str | None, rounds: int):
+  """A trained model on real sentences (EOS ends each), beam 4 and greedy: ours through the Translator vs
+  CTranslate2 float32 on the exported model, alternating; BLEU against `references_path`; the decoding
+  program's peak memory (XLA's buffer assignment, largest batch)."""
+  from flax_transformer import evaluation, parallel_text, search
+  from flax_transformer.sentences import encode_sentences, translation_batches
   from flax_transformer.translator import Translator
   sentences = parallel_text.read_lines(sentences_path)
+  references = parallel_text.read_lines(references_path) if references_path else None
   translator = Translator.from_workdir(workdir, beam_size=4)
-  runs = {f'beam 4, ours ({translator.beam_top_k} top-k)': lambda: translator.translate(sentences)}
+  runs = {}
+  for beam in (4, 1):
+    search_name = 'beam 4' if beam > 1 else 'greedy'
+    runs[f'{search_name}, ours'] = functools.partial(translator.translate, sentences, beam_size=beam)
   try:
     import ctranslate2
     from flax_transformer import export
@@ -223,11 +233,15 @@ def real_sentences(workdir: str, sentences_path: str, rounds: int):
     ct2 = ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
     tokens = [processor.encode(s, out_type=str) for s in sentences]
     limit = translator.max_extra_length
-    runs[f'beam 4, CTranslate2 {ctranslate2.__version__} float32'] = lambda: [  # batched by tokens, as ours
-        processor.decode(r.hypotheses[0]) for r in ct2.translate_batch(
-            tokens, beam_size=4, length_penalty=translator.length_penalty_alpha, min_decoding_length=0,
-            max_batch_size=translator.eval_tokens_per_batch, batch_type='tokens',
-            max_decoding_length=max(map(len, tokens)) + limit)]
+
+    def ct2_run(beam):  # batched by tokens, as ours
+      return [processor.decode(r.hypotheses[0]) for r in ct2.translate_batch(
+          tokens, beam_size=beam, length_penalty=translator.length_penalty_alpha, min_decoding_length=0,
+          max_batch_size=translator.eval_tokens_per_batch, batch_type='tokens',
+          max_decoding_length=max(map(len, tokens)) + limit)]
+    for beam in (4, 1):
+      search_name = 'beam 4' if beam > 1 else 'greedy'
+      runs[f'{search_name}, CTranslate2 {ctranslate2.__version__} float32'] = functools.partial(ct2_run, beam)
   except ImportError:
     pass
   outputs = {name: fn() for name, fn in runs.items()}  # warm-up: every length shape compiled
@@ -237,17 +251,33 @@ def real_sentences(workdir: str, sentences_path: str, rounds: int):
       start = time.perf_counter()
       fn()
       seconds[name].append(time.perf_counter() - start)
-  names = list(runs)
-  print(f'{len(sentences)} sentences of {sentences_path}, {rounds} alternating rounds\n')
-  print('| decoder | sentences/s (median) | output tokens |\n|---|---|---|')
-  for name in names:
+  print(f'{len(sentences)} sentences of {sentences_path}, {rounds} alternating rounds, '
+        f'{translator.eval_tokens_per_batch} source tokens a batch\n')
+  print('| decoder | sentences/s (median) | output tokens | BLEU |\n|---|---|---|---|')
+  for name in runs:
     words = sum(len(translator.processor.encode(t)) for t in outputs[name])
-    print(f'| {name} | {len(sentences) / statistics.median(seconds[name]):,.1f} | {words:,} |')
-  if len(names) == 2:
-    ratios = sorted(b / a for a, b in zip(seconds[names[0]], seconds[names[1]]))
-    agree = np.mean([a == b for a, b in zip(outputs[names[0]], outputs[names[1]])])
-    print(f'| ours / CTranslate2, per round (min-median-max) | {ratios[0]:.2f}-{statistics.median(ratios):.2f}-'
-          f'{ratios[-1]:.2f}x | same output for {agree:.0%} |')
+    score = (f'{evaluation.bleu(outputs[name], references, translator.settings.decode.bleu_tokenize)[0]:.2f}'
+             if references else '-')
+    print(f'| {name} | {len(sentences) / statistics.median(seconds[name]):,.1f} | {words:,} | {score} |')
+  for search_name in ('beam 4', 'greedy'):
+    pair = [name for name in runs if name.startswith(search_name)]
+    if len(pair) == 2:
+      ratios = sorted(b / a for a, b in zip(seconds[pair[0]], seconds[pair[1]]))
+      agree = np.mean([a == b for a, b in zip(outputs[pair[0]], outputs[pair[1]])])
+      print(f'| {search_name}: ours / CTranslate2, per round (min-median-max) | {ratios[0]:.2f}-'
+            f'{statistics.median(ratios):.2f}-{ratios[-1]:.2f}x | same output for {agree:.0%} | |')
+  batches = translation_batches(encode_sentences(translator.processor, sentences), translator.max_source_tokens,
+                                translator.eval_tokens_per_batch)
+  for beam in (4, 1):
+    peak = 0
+    for _, inputs in batches:
+      length = search.decode_length(inputs.shape[1], translator.max_extra_length, translator.max_positions)
+      program = search.jitted_translate(translator.model, beam, translator.length_penalty_alpha,
+                                        translator.max_extra_length, length, translator.beam_top_k)
+      memory = program.lower(translator.params, inputs).compile().memory_analysis()
+      peak = max(peak, memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes)
+    print(f'\npeak memory of one {"beam-4" if beam > 1 else "greedy"} batch (XLA buffers, largest of '
+          f'{len(batches)} batches): {peak / 2**20:,.0f} MiB')
 
 
 def main():
@@ -255,12 +285,13 @@ def main():
   parser.add_argument('--against', help='a git revision whose beam search to time beside this tree\'s')
   parser.add_argument('--workdir', help='a trained run to translate --sentences with')
   parser.add_argument('--sentences', help='source sentences, one a line (plain or .gz)')
+  parser.add_argument('--references', help='their reference translations, for BLEU beside the speed')
   parser.add_argument('--rounds', type=int, default=7)
   args = parser.parse_args()
   if args.against:
     return against(args.against, args.rounds)
   if args.workdir:
-    return real_sentences(args.workdir, args.sentences, args.rounds)
+    return real_sentences(args.workdir, args.sentences, args.references, args.rounds)
   model = Transformer(CONFIG)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(3, CONFIG.vocab_size, (BATCH, SOURCE_LENGTH)), jnp.int32)
@@ -268,6 +299,10 @@ def main():
   runs = {
       'beam 4, KV cache (ours)': jax.jit(functools.partial(cached, model=model, beam_size=4)),
       'greedy, KV cache (ours)': jax.jit(functools.partial(cached, model=model, beam_size=1)),
+      'beam 4, KV cache of 80 positions (ours)': jax.jit(functools.partial(cached, model=model, beam_size=4,
+                                                                        cache_length=2 * OUTPUT_LENGTH)),
+      'greedy, KV cache of 80 positions (ours)': jax.jit(functools.partial(cached, model=model, beam_size=1,
+                                                                        cache_length=2 * OUTPUT_LENGTH)),
       'beam 4, no cache (re-run prefix)': jax.jit(functools.partial(uncached, model=model, beam_size=4)),
   }
   tokens = np.asarray(runs['beam 4, KV cache (ours)'](params, inputs))
@@ -287,14 +322,17 @@ def main():
     gflops = decode_flops(beams[name]) / s / 1e9
     print(f'| {name} | {BATCH / s:,.1f} | {s / (BATCH * OUTPUT_LENGTH) * 1e6:,.1f} | {gflops:.0f} | '
           f'{gflops / peak:.2f} | {BATCH * peak * 1e9 / decode_flops(beams[name]):,.0f} |')
-  beam, greedy, nocache = (BATCH / seconds[k] for k in runs)
+  beam, greedy, beam80, greedy80, nocache = (BATCH / seconds[k] for k in runs)
   print(f'| cache speed-up at beam 4 | {beam / nocache:.1f}× | | | | |')
   for name in seconds:
     if 'CTranslate2' in name and 'float32' in name:
-      ours = beam if name.startswith('beam') else greedy
-      print(f'| ours / {name} | {ours / (BATCH / seconds[name]):.2f}× | | | | |')
+      ours, ours80 = (beam, beam80) if name.startswith('beam') else (greedy, greedy80)
+      print(f'| ours / {name} (40; 80 cache positions) | {ours / (BATCH / seconds[name]):.2f}×; '
+            f'{ours80 / (BATCH / seconds[name]):.2f}× | | | | |')
   print(f'\nbeam 4 with and without the cache give the same output for {same:.0%} of the sentences')
   print(json.dumps({'beam4_sentences_per_second': round(beam, 1), 'greedy_sentences_per_second': round(greedy, 1),
+                    'beam4_cache80_sentences_per_second': round(beam80, 1),
+                    'greedy_cache80_sentences_per_second': round(greedy80, 1),
                     'nocache_beam4_sentences_per_second': round(nocache, 1), 'matmul_gflops': round(peak, 1)}))
 
 

@@ -252,9 +252,10 @@ def _best_finished(finished_scores, finished_tokens, ended_scores, ended_tokens,
 
 
 def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
-                  eos_id: int = EOS_ID, select_sentences=None):
+                  eos_id: int = EOS_ID, select_sentences=None, beam_top_k: str = 'lax'):
   """The most probable next token at each step; stops when every sentence has ended (a padding row, whose
   max_lengths is 0, from the start). `select_sentences`: as beam_search's, finished sentences leave the batch.
+  `beam_top_k`: 'two_stage' finds each row's best token as best_tokens does (two passes over the logits).
 
   Returns (tokens [b, max_output_length] int32, log-probabilities [b]).
   """
@@ -270,10 +271,14 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
     step = state['step']
     logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
     logits = logits.astype(jnp.float32)
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # [b]
-    logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, IMPOSSIBLE_SCORE, logits)
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]: log-softmax keeps the row's order
-    log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
+    if beam_top_k == 'lax':
+      log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # [b]
+      logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, IMPOSSIBLE_SCORE, logits)
+      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]: log-softmax keeps the row's order
+      log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
+    else:
+      best, token, log_normalizer = best_tokens(logits, 1, beam_top_k)  # [b, 1] each
+      token, log_prob = token[:, 0].astype(jnp.int32), best[:, 0] - log_normalizer[:, 0]
     token = jnp.where(state['ended'], PAD_ID, token)
     score = state['scores'] + jnp.where(state['ended'], 0.0, log_prob)
     ended = state['ended'] | (token == eos_id) | (step + 1 >= state['max_lengths'])
@@ -334,7 +339,7 @@ def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alp
 
   if beam_size <= 1:
     tokens, scores = greedy_search(tokens_to_logits, caches, batch, max_lengths, max_output_length,
-                                   select_sentences=select_sentences)
+                                   select_sentences=select_sentences, beam_top_k=beam_top_k)
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
   return beam_search(tokens_to_logits, caches, batch, max_lengths, max_output_length, beam_size,
                      length_penalty_alpha, reorder_cache=reorder_cache, beam_top_k=beam_top_k,
