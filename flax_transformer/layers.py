@@ -156,9 +156,9 @@ def ancestry_bias(ancestry: jax.Array, step: jax.Array, first_step: jax.Array | 
 CACHE_CHUNK_STEPS = 8
 
 
-def cache_steps(max_output_length: int, chunk_steps: int = CACHE_CHUNK_STEPS) -> int:
+def cache_steps(max_output_length: int) -> int:
   """The steps a flat self-attention cache holds for `max_output_length`: whole chunks."""
-  return -(-max_output_length // chunk_steps) * chunk_steps
+  return -(-max_output_length // CACHE_CHUNK_STEPS) * CACHE_CHUNK_STEPS
 
 
 def flat_cache_attention(query, key, value, ancestry, step):
@@ -399,11 +399,10 @@ class MultiHeadAttention(nn.Module):
     query, key, value = (y.reshape(batch, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [b, n, h, d]
     n, ancestry = query.shape[1], context
     chunk, offset = step // CACHE_CHUNK_STEPS, step % CACHE_CHUNK_STEPS * n  # this step's slots
-    zero = jnp.zeros((), jnp.int32)
     cache = {'key': jax.lax.dynamic_update_slice(cache['key'], key.transpose(0, 2, 3, 1)[None],
-                                                 (chunk, zero, zero, zero, offset)),  # [L/C, b, h, d, C·n]
+                                                 (chunk, 0, 0, 0, offset)),  # [L/C, b, h, d, C·n]
              'value': jax.lax.dynamic_update_slice(cache['value'], value.transpose(0, 2, 1, 3)[None],
-                                                   (chunk, zero, zero, offset, zero))}  # [L/C, b, h, C·n, d]
+                                                   (chunk, 0, 0, offset, 0))}  # [L/C, b, h, C·n, d]
     if self.is_mutable_collection('intermediates'):
       attended, weights = scaled_dot_product_attention(query, *whole_cache(cache['key'], cache['value']),
                                                        ancestry_bias(ancestry, step), layout=CACHED_SELF)

@@ -29,8 +29,8 @@ class DecodeSettings:
   length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
                                         high=float('inf'))
   max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0)
-  beam_top_k: str = setting("How the beam's top-k is found: 'two_stage' (block maxima first, faster on CPU), "
-                            "'lax' (jax.lax.top_k); 'auto': by platform.", choices=platforms.TOP_K + ('auto',),
+  beam_top_k: str = setting("How the beam's top-k (and greedy's best token) is found: 'two_stage' (block maxima "
+                            "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.", choices=platforms.TOP_K + ('auto',),
                             before='auto')
   eval_tokens_per_batch: int = setting('Source tokens of an evaluation or translation batch.', minimum=1)
   bleu_tokenize: str = setting("sacreBLEU's tokenizer for validation BLEU and translate.py --reference ('none': "
@@ -51,7 +51,7 @@ def _block_size(width: int, k: int) -> int | None:
 def top_k(x: jax.Array, k: int, beam_top_k: str = 'lax', excluded: int | None = None):
   """jax.lax.top_k over the last axis of x [r, v] -> (values [r, k], indices [r, k]), in two cheap stages
   (beam_top_k 'two_stage'), or `jax.lax.top_k` itself (beam_top_k 'lax'); a run's 'auto' is made by settings.py.
-  `excluded`: a column never chosen (as if it held -inf).
+  `excluded`: a column never chosen (as if it held -inf). k = 1 is an argmax either way.
 
   XLA:CPU's top-k sorts each whole row; over a vocabulary that costs more than the rest of a beam step.
   The k largest entries lie in the k blocks (of 32–64 entries, a divisor of v) with the largest
@@ -64,6 +64,9 @@ def top_k(x: jax.Array, k: int, beam_top_k: str = 'lax', excluded: int | None = 
   if beam_top_k == 'lax' or block is None:
     if excluded is not None:
       x = jnp.where(jnp.arange(x.shape[-1]) == excluded, -jnp.inf, x)
+    if k == 1:  # a row's maximum needs no sort: argmax (ties to the lowest index, as lax.top_k)
+      index = jnp.argmax(x, axis=-1)[:, None]  # [r, 1]
+      return jnp.take_along_axis(x, index, axis=1), index.astype(jnp.int32)
     return jax.lax.top_k(x, k)
   blocks = x.reshape(x.shape[0], -1, block)  # [r, nb, block]
   return _blocked_top_k(blocks, jnp.max(blocks, axis=-1), k, excluded)
@@ -255,7 +258,7 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
                   eos_id: int = EOS_ID, select_sentences=None, beam_top_k: str = 'lax'):
   """The most probable next token at each step; stops when every sentence has ended (a padding row, whose
   max_lengths is 0, from the start). `select_sentences`: as beam_search's, finished sentences leave the batch.
-  `beam_top_k`: 'two_stage' finds each row's best token as best_tokens does (two passes over the logits).
+  `beam_top_k`: how best_tokens finds each row's best token ('two_stage': two passes over the logits).
 
   Returns (tokens [b, max_output_length] int32, log-probabilities [b]).
   """
@@ -270,15 +273,8 @@ def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, m
   def body(state):
     step = state['step']
     logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
-    logits = logits.astype(jnp.float32)
-    if beam_top_k == 'lax':
-      log_normalizer = jax.nn.logsumexp(logits, axis=-1)  # [b]
-      logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, IMPOSSIBLE_SCORE, logits)
-      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]: log-softmax keeps the row's order
-      log_prob = jnp.take_along_axis(logits, token[:, None], 1)[:, 0] - log_normalizer  # [b]
-    else:
-      best, token, log_normalizer = best_tokens(logits, 1, beam_top_k)  # [b, 1] each
-      token, log_prob = token[:, 0].astype(jnp.int32), best[:, 0] - log_normalizer[:, 0]
+    best, token, log_normalizer = best_tokens(logits.astype(jnp.float32), 1, beam_top_k)  # [b, 1] each: no padding
+    token, log_prob = token[:, 0], best[:, 0] - log_normalizer[:, 0]  # [b]: log-softmax keeps the row's order
     token = jnp.where(state['ended'], PAD_ID, token)
     score = state['scores'] + jnp.where(state['ended'], 0.0, log_prob)
     ended = state['ended'] | (token == eos_id) | (step + 1 >= state['max_lengths'])
