@@ -114,7 +114,7 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
-def phase_sizes(batch: int, smallest: int = 8, compactions: int = 6) -> list[int]:
+def phase_sizes(batch: int, smallest: int = 8, compactions: int = 3) -> list[int]:
   """The batch sizes a search compacts its sentences into as they finish: halving (rounded up to a multiple of
   8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under twice `smallest`."""
   sizes = [batch]
