@@ -114,11 +114,12 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
-def phase_sizes(batch: int, smallest: int = 8, compactions: int = 3) -> list[int]:
+def phase_sizes(batch: int, smallest: int = 8, compactions: int = 3, least: int = 64) -> list[int]:
   """The batch sizes a search compacts its sentences into as they finish: halving (rounded up to a multiple of
-  8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under twice `smallest`."""
+  8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under `least` rows, where a
+  compaction saves less than the compilation of another phase costs."""
   sizes = [batch]
-  while len(sizes) <= compactions and sizes[-1] >= 2 * smallest:
+  while batch >= least and len(sizes) <= compactions and sizes[-1] >= 2 * smallest:
     sizes.append(-(-sizes[-1] // 2 // 8) * 8)
   return sizes
 

@@ -297,6 +297,7 @@ def test_finished_sentences_leave_the_batch_without_changing_a_result(small_mode
   translate = functools.partial(search.translate_batch, model=model, beam_size=beam, length_penalty_alpha=0.6,
                                 max_extra_length=4, max_output_length=16, num_results=results)
   assert search.phase_sizes(64) == [64, 32, 16, 8] and search.phase_sizes(304) == [304, 152, 80, 40]
+  assert search.phase_sizes(56) == [56]  # a small batch: one phase, one loop to compile
   phased = jax.jit(translate)(params, inputs)
   monkeypatch.setattr(search, 'phase_sizes', lambda batch: [batch])
   whole = jax.jit(translate)(params, inputs)
