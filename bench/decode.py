@@ -12,9 +12,9 @@ and REV's search with its cache never reordered (timing only: wrong translations
 sources, alternating round by round; medians and per-round ratios.
 
 python bench/decode.py --workdir=RUN --sentences=FILE [--references=FILE] [--rounds=3]
-Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 and greedy
-search through the Translator, and with the same weights exported to CTranslate2 float32, alternating; BLEU
-against the references; the decoding program's peak memory.
+Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 (with each
+stopping rule) and greedy search through the Translator, and with the same weights exported to CTranslate2
+float32, alternating; BLEU against the references; the decoding program's peak memory.
 """
 
 import argparse
@@ -216,10 +216,10 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   sentences = parallel_text.read_lines(sentences_path)
   references = parallel_text.read_lines(references_path) if references_path else None
   translator = Translator.from_workdir(workdir, beam_size=4)
-  runs = {}
-  for beam in (4, 1):
-    search_name = 'beam 4' if beam > 1 else 'greedy'
-    runs[f'{search_name}, ours'] = functools.partial(translator.translate, sentences, beam_size=beam)
+  beam_ended = Translator.from_workdir(workdir, beam_size=4, beam_stop='beam_ended')
+  runs = {'beam 4, ours': functools.partial(translator.translate, sentences, beam_size=4),
+          "beam 4, ours, beam_stop='beam_ended'": functools.partial(beam_ended.translate, sentences),
+          'greedy, ours': functools.partial(translator.translate, sentences, beam_size=1)}
   try:
     import ctranslate2
     from flax_transformer import export
@@ -259,13 +259,13 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
     score = (f'{evaluation.bleu(outputs[name], references, translator.settings.decode.bleu_tokenize)[0]:.2f}'
              if references else '-')
     print(f'| {name} | {len(sentences) / statistics.median(seconds[name]):,.1f} | {words:,} | {score} |')
-  for search_name in ('beam 4', 'greedy'):
-    pair = [name for name in runs if name.startswith(search_name)]
-    if len(pair) == 2:
-      ratios = sorted(b / a for a, b in zip(seconds[pair[0]], seconds[pair[1]]))
-      agree = np.mean([a == b for a, b in zip(outputs[pair[0]], outputs[pair[1]])])
-      print(f'| {search_name}: ours / CTranslate2, per round (min-median-max) | {ratios[0]:.2f}-'
-            f'{statistics.median(ratios):.2f}-{ratios[-1]:.2f}x | same output for {agree:.0%} | |')
+  for name in runs:
+    theirs = [other for other in runs if 'CTranslate2' in other and other.split(',')[0] == name.split(',')[0]]
+    if 'CTranslate2' not in name and theirs:
+      ratios = sorted(b / a for a, b in zip(seconds[name], seconds[theirs[0]]))
+      agree = np.mean([a == b for a, b in zip(outputs[name], outputs[theirs[0]])])
+      print(f'| {name} / CTranslate2, per round (min-median-max) | {ratios[0]:.2f}-{statistics.median(ratios):.2f}-'
+            f'{ratios[-1]:.2f}x | same output for {agree:.0%} | |')
   batches = translation_batches(encode_sentences(translator.processor, sentences), translator.max_source_tokens,
                                 translator.eval_tokens_per_batch)
   for beam in (4, 1):

@@ -22,6 +22,9 @@ from flax_transformer.constants import EOS_ID, IMPOSSIBLE_SCORE, PAD_ID
 from flax_transformer.fields import setting
 
 
+BEAM_STOPS = ('bound', 'beam_ended')  # beam_search's stopping rules
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
   """§6.1 decoding and its scoring, config fields of these names."""
@@ -29,6 +32,11 @@ class DecodeSettings:
   length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
                                         high=float('inf'))
   max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0)
+  beam_stop: str = setting("When a sentence's beam search stops: 'bound' (tensor2tensor's: once no live hypothesis "
+                           "can still beat the best ended one; the result of running to the length limit) or "
+                           "'beam_ended' (fairseq's and CTranslate2's: once beam-size hypotheses have ended among "
+                           "the steps' beam-size best; fewer steps, may keep a shorter output).", choices=BEAM_STOPS,
+                           before='bound')
   beam_top_k: str = setting("How the beam's top-k (and greedy's best token) is found: 'two_stage' (block maxima "
                             "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.", choices=platforms.TOP_K + ('auto',),
                             before='auto')
@@ -151,7 +159,7 @@ def _phased(not_done, body, state: dict, done, select_sentences, results: tuple[
 def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
                 beam_size: int = 4, length_penalty_alpha: float = 0.6, eos_id: int = EOS_ID,
                 reorder_cache=gather_leading_rows, beam_top_k: str = 'lax', num_results: int | None = None,
-                select_sentences=None):
+                select_sentences=None, stop: str = 'bound'):
   """Beam search returning the best hypothesis of each sentence, or its `num_results` best.
 
   Args:
@@ -169,6 +177,11 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
     select_sentences: (cache, sentences [b'] int32) -> the cache of those sentences alone (every hypothesis of
       each), or None. Given, finished sentences leave the batch as the search goes (phase_sizes), as
       CTranslate2 drops them: the same results for less work.
+    stop: when a sentence is finished (its results final). 'bound' (tensor2tensor): once its k-th best ended
+      hypothesis scores at least what its best live one would at the length limit with no further loss, so
+      the result is that of searching to the limit. 'beam_ended' (fairseq, CTranslate2): once n hypotheses
+      have ended, a hypothesis counting as ended only when it is among the n best extensions of its step
+      (an ending extension ranked below them is dropped).
   Returns:
     (tokens [b, max_output_length] int32, ending with EOS unless cut at the length limit, 0-padded;
      scores [b]: the length-penalised log-probabilities), or with num_results=k: ([b, k, max_output_length],
@@ -178,17 +191,24 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   kept = num_results or 1
   if not 1 <= kept <= n:
     raise ValueError(f'num_results={num_results} must be between 1 and the beam size {n}')
+  if stop not in BEAM_STOPS:
+    raise ValueError(f'stop={stop!r}: use one of {BEAM_STOPS}')
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), length)
 
-  def done(state):  # [b]: no live hypothesis can still beat the k-th best finished one, or out of length
-    best_live_bound = state['live_scores'][:, 0] / length_penalty(state['max_lengths'], length_penalty_alpha)
-    return (state['finished_scores'][:, kept - 1] >= best_live_bound) | (state['step'] >= state['max_lengths'])
+  def done(state):  # [b]: finished by the stopping rule, or out of length
+    if stop == 'beam_ended':  # n hypotheses have ended (an unfilled slot holds IMPOSSIBLE_SCORE)
+      ended = state['finished_scores'][:, n - 1] > IMPOSSIBLE_SCORE / 2
+    else:  # no live hypothesis can still beat the k-th best finished one
+      best_live_bound = state['live_scores'][:, 0] / length_penalty(state['max_lengths'], length_penalty_alpha)
+      ended = state['finished_scores'][:, kept - 1] >= best_live_bound
+    return ended | (state['step'] >= state['max_lengths'])
 
   def not_done(state, floor):
     return (state['step'] < length) & (jnp.sum(~done(state)) > floor)
 
   body = functools.partial(_beam_step, tokens_to_logits=tokens_to_logits, n=n, alpha=length_penalty_alpha,
-                           eos_id=eos_id, reorder_cache=reorder_cache, beam_top_k=beam_top_k)
+                           eos_id=eos_id, reorder_cache=reorder_cache, beam_top_k=beam_top_k, done=done,
+                           ended_in_beam=stop == 'beam_ended')
   state = {**_initial_beams(batch, n, length, cache), 'max_lengths': max_lengths, 'origin': jnp.arange(batch)}
   final = _phased(not_done, body, state, done, select_sentences, ('finished_tokens', 'finished_scores'))
   if num_results:
@@ -196,9 +216,12 @@ def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max
   return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
 
 
-def _beam_step(state, *, tokens_to_logits, n: int, alpha: float, eos_id: int, reorder_cache, beam_top_k: str):
+def _beam_step(state, *, tokens_to_logits, n: int, alpha: float, eos_id: int, reorder_cache, beam_top_k: str, done,
+               ended_in_beam: bool):
   """One step of beam_search: every live hypothesis extended by its best tokens, the n best that go on kept
-  live (the cache reordered to them), those that end merged into the n best finished."""
+  live (the cache reordered to them), those that end merged into the n best finished, unless the sentence was
+  already `done(state)` [b] (its results are final while the batch goes on). `ended_in_beam`: only extensions
+  among the step's n best may end (the others that end are dropped)."""
   step, rows, limits = state['step'], state['origin'].shape[0], state['max_lengths']
   ids = state['live_tokens'][:, :, step].reshape(rows * n, 1)  # [bn, 1]
   logits, new_cache = tokens_to_logits(ids, state['cache'])
@@ -209,7 +232,10 @@ def _beam_step(state, *, tokens_to_logits, n: int, alpha: float, eos_id: int, re
   live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [b, n]: those that go on
   live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
   parent_rows = (live_beam + jnp.arange(rows)[:, None] * n).reshape(rows * n)  # [bn]
-  ended_scores = jnp.where(ends, top_scores / length_penalty(step + 1, alpha), IMPOSSIBLE_SCORE)
+  counted = ends & ~done(state)[:, None]  # [b, 2n]
+  if ended_in_beam:  # the n best (top_scores is sorted), and not extensions of the unfilled beams of step 0
+    counted &= (jnp.arange(2 * n) < n) & (top_scores > IMPOSSIBLE_SCORE / 2)
+  ended_scores = jnp.where(counted, top_scores / length_penalty(step + 1, alpha), IMPOSSIBLE_SCORE)
   finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
                                                     ended_scores, top_tokens, n)
   return {**state, 'step': step + 1, 'live_scores': live_scores,
@@ -303,7 +329,8 @@ def ensemble_log_probs(logits: list[jax.Array]) -> jax.Array:
 
 
 def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
-                    max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None):
+                    max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None,
+                    beam_stop: str = 'bound'):
   """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_output_length], scores [b]), or with
   num_results=k the k best of each sentence's beam: ([b, k, max_output_length], [b, k]).
 
@@ -311,6 +338,7 @@ def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alp
   sharing one vocabulary) and a tuple of their parameters, decoded with `ensemble_log_probs`, each member with
   its own cache. Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1); finished
   sentences leave the batch as the search goes (phase_sizes); padding rows (all 0) are finished from the start.
+  `beam_stop`: beam_search's stopping rule (BEAM_STOPS).
   Bind model/beam_size/length_penalty_alpha/max_extra_length/max_output_length with functools.partial and jit.
   """
   batch, n = inputs.shape[0], max(beam_size, 1)
@@ -340,17 +368,19 @@ def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alp
     return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
   return beam_search(tokens_to_logits, caches, batch, max_lengths, max_output_length, beam_size,
                      length_penalty_alpha, reorder_cache=reorder_cache, beam_top_k=beam_top_k,
-                     num_results=num_results, select_sentences=select_sentences)
+                     num_results=num_results, select_sentences=select_sentences, stop=beam_stop)
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_translate(model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
-                     max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None):
-  """One compiled predict step per (model, beam, α, lengths, top-k, results); cached across calls."""
+                     max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None,
+                     beam_stop: str = 'bound'):
+  """One compiled predict step per (model, beam, α, lengths, top-k, results, stopping rule); cached across
+  calls."""
   return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size,
                                    length_penalty_alpha=length_penalty_alpha,
                                    max_extra_length=max_extra_length, max_output_length=max_output_length,
-                                   beam_top_k=beam_top_k, num_results=num_results))
+                                   beam_top_k=beam_top_k, num_results=num_results, beam_stop=beam_stop))
 
 
 def decode_length(source_length: int, max_extra_length: int, max_positions: int) -> int:

@@ -92,13 +92,15 @@ class Translator:
     max_extra_length: each output may be this many tokens longer than its input (§6.1: 50).
     eval_tokens_per_batch: source tokens per translation batch.
     beam_top_k: how the beam's top-k is found ('two_stage' or 'lax'; see search.top_k; a run's is in its settings).
+    beam_stop: when a sentence's beam search stops: 'bound' (tensor2tensor's, the default) or 'beam_ended'
+      (fairseq's and CTranslate2's, fewer steps); see search.beam_search.
     checkpoints: the checkpoint steps the parameters come from (reported only; per member for an ensemble).
     settings: the run's settings when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
   def __init__(self, params, model_config, processor, *, beam_size: int = 4,
                length_penalty_alpha: float = 0.6, max_extra_length: int = 50, eval_tokens_per_batch: int = 4096,
-               beam_top_k: str = 'lax',
+               beam_top_k: str = 'lax', beam_stop: str = 'bound',
                checkpoints: tuple = (), settings: Settings | None = None):
     _check_beam(beam_size, length_penalty_alpha)
     if eval_tokens_per_batch < 1:
@@ -116,7 +118,9 @@ class Translator:
     self.beam_size, self.length_penalty_alpha, self.max_extra_length = beam_size, length_penalty_alpha, max_extra_length
     if beam_top_k not in platforms.TOP_K:
       raise UserError(f"beam_top_k={beam_top_k!r}: use one of {', '.join(platforms.TOP_K)}")
-    self.eval_tokens_per_batch, self.beam_top_k = eval_tokens_per_batch, beam_top_k
+    if beam_stop not in search.BEAM_STOPS:
+      raise UserError(f"beam_stop={beam_stop!r}: use one of {', '.join(search.BEAM_STOPS)}")
+    self.eval_tokens_per_batch, self.beam_top_k, self.beam_stop = eval_tokens_per_batch, beam_top_k, beam_stop
     self.checkpoints, self.settings = tuple(checkpoints), settings
 
   @classmethod
@@ -148,7 +152,7 @@ class Translator:
     d = run.decode
     defaults = {'beam_size': d.beam_size, 'length_penalty_alpha': d.length_penalty_alpha,
                 'max_extra_length': d.max_extra_length, 'eval_tokens_per_batch': d.eval_tokens_per_batch,
-                'beam_top_k': d.beam_top_k}
+                'beam_top_k': d.beam_top_k, 'beam_stop': d.beam_stop}
     return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run, **{**defaults, **overrides})
 
   @classmethod
@@ -172,7 +176,7 @@ class Translator:
     return cls([t.params for t in loaded], [t.model_config for t in loaded], first.processor,
                beam_size=first.beam_size, length_penalty_alpha=first.length_penalty_alpha,
                max_extra_length=first.max_extra_length, eval_tokens_per_batch=first.eval_tokens_per_batch,
-               beam_top_k=first.beam_top_k, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
+               beam_top_k=first.beam_top_k, beam_stop=first.beam_stop, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
 
   @property
   def ensemble(self) -> bool:
@@ -284,7 +288,7 @@ class Translator:
         return None
       max_output_length = search.decode_length(inputs.shape[1], self.max_extra_length, self.max_positions)
       translate = search.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_output_length,
-                                          self.beam_top_k, num_results)
+                                          self.beam_top_k, num_results, self.beam_stop)
       tokens, scores = jax.device_get(translate(self.params, inputs))
       tokens, scores = np.asarray(tokens), np.asarray(scores)
       if num_results is None:

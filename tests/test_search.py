@@ -101,6 +101,56 @@ def test_beam_search_finds_the_brute_force_optimum(alpha):
     assert got == expected_seq
 
 
+
+def _beam_ended_reference(log_probs, max_length, beam, alpha):
+  """fairseq's and CTranslate2's beam search, per sentence, in plain Python: each step takes the 2n best
+  extensions; those among the n best that end (EOS, or the length limit) are finished, the n best that do not
+  end go on; the sentence stops once n have finished. log_probs [steps, vocab(prev), vocab(next)]."""
+  live, finished = [((), 0.0)], []
+  for step in range(max_length):
+    extensions = sorted(((seq + (token,), score + log_probs[step, seq[-1] if seq else 0, token])
+                         for seq, score in live for token in range(1, log_probs.shape[-1])), key=lambda e: -e[1])
+    live = []
+    for rank, (seq, score) in enumerate(extensions[:2 * beam]):
+      if seq[-1] == 1 or step + 1 == max_length:
+        if rank < beam:
+          finished.append((score / ((5 + len(seq)) / 6) ** alpha, seq))
+      elif len(live) < beam:
+        live.append((seq, score))
+    if len(finished) >= beam:
+      break
+  return max(finished)
+
+
+def test_the_beam_ended_rule_is_fairseqs_and_ctranslate2s_in_every_phase():
+  """beam_stop='beam_ended' against a plain implementation of fairseq's rule, on 64 sentences (each its own
+  table) of different length limits, so that they finish apart and leave the batch in phases; the default rule
+  returns something else for some of them (α = 2 favours the longer outputs it goes on to find)."""
+  rng = np.random.default_rng(7)
+  batch, vocab, beam, alpha, length = 64, 6, 3, 2.0, 8
+  tables = rng.normal(size=(batch, length, vocab, vocab)).astype(np.float32) * 2
+  limits = rng.integers(2, length + 1, size=batch)
+
+  def search_with(stop):
+    def tokens_to_logits(ids, cache):
+      return jnp.asarray(tables)[cache['sentence'], cache['step'], ids[:, 0]], {**cache, 'step': cache['step'] + 1}
+
+    def select_sentences(cache, rows):
+      return {**cache, 'sentence': cache['sentence'].reshape(-1, beam)[rows].reshape(-1)}
+    cache = {'step': jnp.array(0), 'sentence': jnp.repeat(jnp.arange(batch), beam)}
+    return jax.jit(lambda c: search.beam_search(tokens_to_logits, c, batch, jnp.asarray(limits), length, beam, alpha,
+                                                select_sentences=select_sentences, stop=stop))(cache)
+
+  log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(tables)))
+  expected = [_beam_ended_reference(log_probs[i], int(limits[i]), beam, alpha) for i in range(batch)]
+  assert search.phase_sizes(batch) == [64, 32, 16, 8]
+  tokens, scores = search_with('beam_ended')
+  for i, (score, seq) in enumerate(expected):
+    assert tuple(int(t) for t in tokens[i] if t) == seq, i
+    np.testing.assert_allclose(float(scores[i]), score, rtol=1e-5)
+  bound_tokens, _ = search_with('bound')
+  assert sum(tuple(int(t) for t in bound_tokens[i] if t) != seq for i, (_, seq) in enumerate(expected)) >= 3
+
 def test_beam_one_and_batch_order(small_model_config, np_rng):
   """Beam 1 is not greedy decoding in general (a finished short hypothesis can win on its length-penalised
   score), so it is checked against the search that recomputes every prefix; and rows keep their order."""

@@ -38,6 +38,9 @@ def define(flag_values, argv) -> None:
          'targets to score.')
   define('integer', 'beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
   define('float', 'length_penalty_alpha', None, 'Length-penalty exponent α (default: the config\'s).')
+  flags.DEFINE_enum('beam_stop', None, ['bound', 'beam_ended'], 'When a sentence\'s beam stops (default: the config\'s '
+                    'beam_stop): bound (once no live hypothesis can beat the best ended one) or beam_ended (once beam '
+                    'size hypotheses have ended, as fairseq and CTranslate2; fewer steps).', flag_values=flag_values)
   define('integer', 'eval_tokens_per_batch', None, 'Source tokens per translation batch (default: the config\'s).')
   flags.DEFINE_alias('alpha', 'length_penalty_alpha', flag_values=flag_values)
   flags.DEFINE_alias('batch_tokens', 'eval_tokens_per_batch', flag_values=flag_values)
@@ -174,6 +177,8 @@ def load(f):
   --step, --average_last say) or an ensemble's."""
   from flax_transformer.translator import Translator
   overrides = {'eval_tokens_per_batch': f.eval_tokens_per_batch} if f.eval_tokens_per_batch else {}
+  if f.beam_stop:
+    overrides['beam_stop'] = f.beam_stop
   chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
   if len(workdirs(f)) > 1:
     return Translator.from_workdirs(workdirs(f), **chosen, **overrides)
