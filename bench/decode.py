@@ -15,6 +15,10 @@ python bench/decode.py --workdir=RUN --sentences=FILE [--references=FILE] [--rou
 Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 (with each
 stopping rule) and greedy search through the Translator, and with the same weights exported to CTranslate2
 float32, alternating; BLEU against the references; the decoding program's peak memory.
+
+python bench/decode.py --workdir=RUN --per_step [--rounds=5]
+The same trained model's beam 4 step against CTranslate2's at 4 to 2,048 hypotheses (1 to 512 sentences of 14
+random source tokens, exactly 40 generated tokens, EOS disabled), alternating: milliseconds a step, medians.
 """
 
 import argparse
@@ -280,14 +284,59 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
           f'{len(batches)} batches): {peak / 2**20:,.0f} MiB')
 
 
+def per_step(workdir: str, rounds: int):
+  """Milliseconds a beam-4 step of the trained model at each batch size, ours against CTranslate2 float32 on
+  the exported model, with the same forced length (what the real-sentence table's batches run through as
+  their sentences finish)."""
+  from flax_transformer.translator import Translator
+  import ctranslate2
+  from flax_transformer import export
+  translator = Translator.from_workdir(workdir, beam_size=4)
+  model, params, source_length = translator.model, translator.params, 14
+  cache_length = search.decode_length(source_length, translator.max_extra_length, translator.max_positions)
+  program = jax.jit(functools.partial(cached, model=model, beam_size=4, cache_length=cache_length))
+  processor = translator.processor
+  pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+  directory = tempfile.mkdtemp(prefix='decode_ct2_')
+  spec = export.model_spec(jax.device_get(params), translator.model_config, pieces)
+  spec.validate()
+  spec.optimize(quantization=None)
+  spec.save(directory)
+  ct2 = ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
+  rng = np.random.default_rng(0)
+  print(f'beam 4, {OUTPUT_LENGTH} forced steps from {source_length}-token sources, cache of {cache_length} '
+        f'positions; medians of {rounds} alternating rounds\n')
+  print('| sentences | hypotheses | ours, ms a step | CTranslate2 float32, ms a step | ours / CTranslate2 time |'
+        '\n|---|---|---|---|---|')
+  for batch in (1, 4, 16, 64, 256, 512):
+    inputs = rng.integers(3, translator.model_config.vocab_size, (batch, source_length)).astype(np.int32)
+    sources = [[pieces[i] for i in row] for row in inputs]
+    runs = {'ours': functools.partial(program, params, inputs),
+            'ct2': functools.partial(ct2.translate_batch, sources, beam_size=4, max_batch_size=batch,
+                                     min_decoding_length=OUTPUT_LENGTH, max_decoding_length=OUTPUT_LENGTH)}
+    for fn in runs.values():
+      jax.block_until_ready(fn())
+    seconds = {name: [] for name in runs}
+    for _ in range(rounds):
+      for name, fn in runs.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        seconds[name].append(time.perf_counter() - start)
+    ours, theirs = (statistics.median(seconds[name]) / OUTPUT_LENGTH * 1e3 for name in runs)
+    print(f'| {batch} | {4 * batch:,} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} |')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--against', help='a git revision whose beam search to time beside this tree\'s')
   parser.add_argument('--workdir', help='a trained run to translate --sentences with')
   parser.add_argument('--sentences', help='source sentences, one a line (plain or .gz)')
   parser.add_argument('--references', help='their reference translations, for BLEU beside the speed')
+  parser.add_argument('--per_step', action='store_true', help='with --workdir: a beam step at each batch size')
   parser.add_argument('--rounds', type=int, default=7)
   args = parser.parse_args()
+  if args.workdir and args.per_step:
+    return per_step(args.workdir, args.rounds)
   if args.against:
     return against(args.against, args.rounds)
   if args.workdir:
