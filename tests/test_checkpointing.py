@@ -49,7 +49,7 @@ def test_restore_moves_aside_only_damage_and_stops_when_every_checkpoint_is_dama
 def test_a_checkpoint_of_another_kind_is_refused_not_set_aside(small_model_config, tmp_path):
   model = Transformer(small_model_config)
   ids = np.ones((1, 3), np.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids)['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids, ids)['params'])
   weights.save_params(str(tmp_path / 'checkpoints'), 5, params, averaged_steps=[4, 5])
   step = tmp_path / 'checkpoints' / '5'
   assert checkpointing.saved_items(step) == ['params']

@@ -77,7 +77,7 @@ def test_attention_through_an_ancestry_equals_attention_over_the_explicitly_gath
   length, step = 2 * layers.CACHE_CHUNK_STEPS, layers.CACHE_CHUNK_STEPS + 3
   attention = layers.MultiHeadAttention(h, h * d, True)
   x = jnp.asarray(np_rng.normal(size=(b * n, 1, h * d)), jnp.float32)
-  params = attention.init(jax.random.key(0), x, None)
+  params = jax.jit(attention.init)(jax.random.key(0), x, None)
   params = jax.tree_util.tree_map(lambda p: jnp.asarray(np_rng.normal(size=p.shape), jnp.float32), params)
   key, value = layers.chunked_cache(jnp.asarray(np_rng.normal(size=(b, h, d, length * n)), jnp.float32),
                                     jnp.asarray(np_rng.normal(size=(b, h, length * n, d)), jnp.float32), n)

@@ -104,7 +104,7 @@ def test_logits_match_torch_transformer(small_model_config, np_rng, pre_norm):
   config = TransformerConfig(**{**small_model_config.__dict__, 'pre_norm': pre_norm})
   batch = random_batch(np_rng, 4, 9, 7, config.vocab_size)
   model = Transformer(config)
-  params = nn.meta.unbox(model.init(jax.random.key(1), batch['inputs'], batch['targets'])['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), batch['inputs'], batch['targets'])['params'])
   # At initialisation every bias is 0 and every LayerNorm is (1, 0); random values make their wiring count.
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   params = jax.tree_util.tree_unflatten(treedef, [
@@ -133,7 +133,7 @@ def test_parameter_counts_match_paper():
 def test_decoder_is_causal(small_model_config, np_rng):
   batch = random_batch(np_rng, 2, 6, 8, small_model_config.vocab_size)
   model = Transformer(small_model_config)
-  variables = model.init(jax.random.key(0), batch['inputs'], batch['targets'])
+  variables = jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])
   apply = jax.jit(model.apply)
   before = apply(variables, batch['inputs'], batch['targets'])
   t = 4
@@ -148,7 +148,7 @@ def test_decoder_is_causal(small_model_config, np_rng):
 def test_source_padding_is_ignored(small_model_config, np_rng):
   batch = random_batch(np_rng, 3, 6, 5, small_model_config.vocab_size)
   model = Transformer(small_model_config)
-  variables = model.init(jax.random.key(0), batch['inputs'], batch['targets'])
+  variables = jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])
   apply = jax.jit(model.apply)
   logits = apply(variables, batch['inputs'], batch['targets'])
   padded = np.pad(batch['inputs'], ((0, 0), (0, 5)))
@@ -159,7 +159,7 @@ def test_source_padding_is_ignored(small_model_config, np_rng):
 def test_unshared_embeddings_and_learned_positions_build(small_model_config, np_rng):
   config = TransformerConfig(**{**small_model_config.__dict__, 'share_embeddings': False, 'learned_positions': True})
   batch = random_batch(np_rng, 2, 5, 4, config.vocab_size)
-  variables = Transformer(config).init(jax.random.key(0), batch['inputs'], batch['targets'])
+  variables = jax.jit(Transformer(config).init)(jax.random.key(0), batch['inputs'], batch['targets'])
   names = set(variables['params'])
   assert {'source_embedding', 'target_embedding', 'output_projection'} <= names
   assert 'shared_embedding' not in names
@@ -167,7 +167,7 @@ def test_unshared_embeddings_and_learned_positions_build(small_model_config, np_
 
 
 def test_initialisation_follows_reference_implementations(small_model_config):
-  params = nn.meta.unbox(Transformer(small_model_config).init(
+  params = nn.meta.unbox(jax.jit(Transformer(small_model_config).init)(
       jax.random.key(0), jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32))['params'])
   d = small_model_config.d_model
   embedding = np.asarray(params['shared_embedding']['embedding'])
@@ -213,7 +213,7 @@ def test_dropout_sits_where_the_paper_puts_it(small_model_config, monkeypatch):
 
   model = Transformer(config)
   ids = np.ones((2, 5), np.int32)
-  params = model.init(jax.random.key(0), ids, ids)['params']
+  params = jax.jit(model.init)(jax.random.key(0), ids, ids)['params']
   monkeypatch.setattr(layers.Dropout, '__call__', record)
   model.apply({'params': params}, ids, ids, deterministic=False, rngs={'dropout': jax.random.key(1)})
   # The layer stacks are scanned: each layer's modules are traced once per layer.
@@ -232,6 +232,6 @@ def test_model_with_library_attention_equals_written_out(small_model_config, np_
   for attention in ('xla', 'explicit'):
     config = dataclasses.replace(small_model_config, attention=attention)
     model = Transformer(config)
-    params = model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params']
+    params = jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])['params']
     outputs[attention] = model.apply({'params': params}, batch['inputs'], batch['targets'])
   np.testing.assert_allclose(outputs['xla'], outputs['explicit'], atol=2e-5, rtol=2e-5)

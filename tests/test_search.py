@@ -19,7 +19,7 @@ from tests.conftest import random_batch
 def test_cached_decoding_equals_full_forward(small_model_config, np_rng):
   batch = random_batch(np_rng, 3, 7, 6, small_model_config.vocab_size)
   model = Transformer(small_model_config)
-  params = nn.meta.unbox(model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
   full = jax.jit(model.apply)({'params': params}, batch['inputs'], batch['targets'])  # [b, t, v]
   encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
   cache = model.apply({'params': params}, encoded, 1, 6, method=model.init_cache)
@@ -36,7 +36,7 @@ def test_decoding_sows_each_layers_attention_like_the_full_forward(small_model_c
   `intermediates`, and at step t they equal row t of the teacher-forced pass's weights."""
   batch = random_batch(np_rng, 2, 5, 4, small_model_config.vocab_size)
   model = Transformer(small_model_config)
-  params = nn.meta.unbox(model.init(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
   _, full = model.apply({'params': params}, batch['inputs'], batch['targets'], mutable=['intermediates'])
   full = full['intermediates']['decoder']  # leaves ([N, b, h, t, k],): one scanned stack
   encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
@@ -156,7 +156,7 @@ def test_beam_one_and_batch_order(small_model_config, np_rng):
   score), so it is checked against the search that recomputes every prefix; and rows keep their order."""
   batch = random_batch(np_rng, 4, 6, 5, small_model_config.vocab_size)
   model = Transformer(small_model_config)
-  params = nn.meta.unbox(model.init(jax.random.key(2), batch['inputs'], batch['targets'])['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(2), batch['inputs'], batch['targets'])['params'])
   run = lambda inputs, beam: search.jitted_translate(model, beam, 0.6, 5, 12)(params, inputs)
   beam_1, _ = run(batch['inputs'], 1)
   expected, _ = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 1, 0.6, 5, 12))(params, batch['inputs'])
@@ -190,7 +190,7 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
   config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
   batch = random_batch(np.random.default_rng(0), 6, 7, 5, config.vocab_size)
   model = Transformer(config)
-  params = nn.meta.unbox(model.init(jax.random.key(4), batch['inputs'], batch['targets'])['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(4), batch['inputs'], batch['targets'])['params'])
   inputs = jnp.asarray(batch['inputs'])
   expected, expected_scores = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 4, 0.6, 6, 16))(params, inputs)
   for method in ('two_stage', 'lax'):  # the CPU choice and the GPU/TPU choice (platforms.py) agree
@@ -239,21 +239,22 @@ def test_a_two_model_beam_search_finds_the_brute_force_optimum_of_the_ensemble()
              for d, h, layers in ((16, 2, 2), (8, 1, 1))]
   inputs = np.array([[3, 1], [4, 1]], np.int32)  # one token and EOS: at most 2 + 2 output tokens
   models = tuple(Transformer(c) for c in configs)
-  params = tuple(nn.meta.unbox(m.init(jax.random.key(i + 7), inputs, inputs)['params']) for i, m in enumerate(models))
+  params = tuple(nn.meta.unbox(jax.jit(m.init)(jax.random.key(i + 7), inputs, inputs)['params']) for i, m in enumerate(models))
   tokens, scores = search.jitted_translate(models, (vocab - 2) ** 3, alpha, extra, 4)(params, inputs)
   max_length = 2 + extra
+  candidates = [list(seq) + [last] for length in range(1, max_length + 1)
+                for seq in itertools.product(range(2, vocab), repeat=length - 1)
+                for last in range(1, vocab) if length == max_length or last == 1]
+  targets = np.zeros((len(candidates), max_length), np.int32)
+  for i, candidate in enumerate(candidates):
+    targets[i, :len(candidate)] = candidate
+  sources = np.repeat(inputs, len(candidates), axis=0)  # every candidate of each row, in one pass per model
+  logs = [np.asarray(jax.nn.log_softmax(m.apply({'params': p}, sources, np.tile(targets, (len(inputs), 1))), axis=-1))
+          for m, p in zip(models, params)]  # [rows · candidates, t, v]
+  q = np.asarray(jax.nn.log_softmax((logs[0] + logs[1]) / 2, axis=-1)).reshape(len(inputs), len(candidates), max_length, vocab)
   for row in range(len(inputs)):
-    candidates = [list(seq) + [last] for length in range(1, max_length + 1)
-                  for seq in itertools.product(range(2, vocab), repeat=length - 1)
-                  for last in range(1, vocab) if length == max_length or last == 1]
-    targets = np.zeros((len(candidates), max_length), np.int32)
-    for i, candidate in enumerate(candidates):
-      targets[i, :len(candidate)] = candidate
-    source = np.repeat(inputs[row:row + 1], len(candidates), axis=0)
-    logs = [jax.nn.log_softmax(np.asarray(jax.jit(m.apply)({'params': p}, source, targets), np.float64), axis=-1)
-            for m, p in zip(models, params)]
-    q = np.asarray(jax.nn.log_softmax((np.asarray(logs[0]) + np.asarray(logs[1])) / 2, axis=-1))
-    totals = [sum(q[i, t, y] for t, y in enumerate(c)) / ((5 + len(c)) / 6) ** alpha for i, c in enumerate(candidates)]
+    totals = [sum(q[row, i, t, y] for t, y in enumerate(c)) / ((5 + len(c)) / 6) ** alpha
+              for i, c in enumerate(candidates)]
     best = int(np.argmax(totals))
     assert [int(t) for t in tokens[row] if t] == candidates[best]
     np.testing.assert_allclose(float(scores[row]), totals[best], rtol=1e-4)
@@ -276,7 +277,7 @@ def test_every_hypothesis_of_the_k_best_scores_its_own_tokens_under_teacher_forc
   config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
   inputs = random_batch(np.random.default_rng(1), 8, 7, 5, config.vocab_size)['inputs']
   model, n, alpha = Transformer(config), 4, 0.6
-  params = nn.meta.unbox(model.init(jax.random.key(5), inputs, inputs)['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(5), inputs, inputs)['params'])
   tokens, scores = search.jitted_translate(model, n, alpha, 6, 16, num_results=n)(params, inputs)
   np.testing.assert_allclose(np.asarray(scores), _teacher_forced_scores(model, params, inputs, np.asarray(tokens), alpha),
                              rtol=1e-4, atol=1e-4)
@@ -313,7 +314,7 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
   b, n, length = 8, 4, 16
   model = Transformer(small_model_config)
   inputs = np.ones((b, 7), np.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), inputs, inputs)['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), inputs, inputs)['params'])
   text = search.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
   h, d = small_model_config.num_heads, small_model_config.d_model // small_model_config.num_heads
   chunks, width = length // layers.CACHE_CHUNK_STEPS, layers.CACHE_CHUNK_STEPS * n
@@ -343,7 +344,7 @@ def test_finished_sentences_leave_the_batch_without_changing_a_result(small_mode
   inputs = random_batch(np.random.default_rng(2), 64, 9, 5, config.vocab_size)['inputs']
   inputs[56:] = 0  # padding rows, as translation batches have
   model = Transformer(config)
-  params = nn.meta.unbox(model.init(jax.random.key(6), inputs, inputs)['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(6), inputs, inputs)['params'])
   translate = functools.partial(search.translate_batch, model=model, beam_size=beam, length_penalty_alpha=0.6,
                                 max_extra_length=4, max_output_length=16, num_results=results)
   assert search.phase_sizes(64) == [64, 32, 16, 8] and search.phase_sizes(304) == [304, 152, 80, 40]

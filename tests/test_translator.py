@@ -29,7 +29,7 @@ def translator(tmp_path_factory):
   config = TransformerConfig(vocab_size=64, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
                              num_decoder_layers=2, max_positions=128, share_embeddings=False, dropout_rate=0.0)
   dummy = np.ones((1, 4), np.int32)
-  params = nn.meta.unbox(Transformer(config).init(jax.random.key(3), dummy, dummy)['params'])
+  params = nn.meta.unbox(jax.jit(Transformer(config).init)(jax.random.key(3), dummy, dummy)['params'])
   return Translator(params, config, processor, beam_size=2, length_penalty_alpha=0.6, max_extra_length=4)
 
 
@@ -146,7 +146,7 @@ def _member(translator, seed: int, **changes):
   import dataclasses
   config = dataclasses.replace(translator.model_config, **changes)
   dummy = np.ones((1, 4), np.int32)
-  return nn.meta.unbox(Transformer(config).init(jax.random.key(seed), dummy, dummy)['params']), config
+  return nn.meta.unbox(jax.jit(Transformer(config).init)(jax.random.key(seed), dummy, dummy)['params']), config
 
 
 def test_an_ensemble_of_one_is_the_model_and_of_two_copies_decodes_as_one(translator):

@@ -28,7 +28,7 @@ def test_average_takes_exactly_the_last_k_checkpoints(small_model_config, tmp_pa
   """§6.1: the last k checkpoints, no more: saved weights 1×, 2×, 3×, 4× the same tree average to 3.5× with k=2."""
   model = Transformer(small_model_config)
   ids = np.ones((1, 3), np.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids)['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids, ids)['params'])
   for i, step in enumerate((10, 20, 30, 40), 1):
     weights.save_params(str(tmp_path / 'checkpoints'), step, jax.tree_util.tree_map(lambda x: x * i, params))
   averaged, chosen = weights.chosen_params(str(tmp_path), small_model_config, 2)
@@ -40,7 +40,7 @@ def test_average_takes_exactly_the_last_k_checkpoints(small_model_config, tmp_pa
 def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_and_left_as_it_is(small_model_config, tmp_path, capsys):
   model = Transformer(small_model_config)
   ids = np.ones((1, 3), np.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids)['params'])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids, ids)['params'])
   for i, step in enumerate((10, 20, 30), 1):
     weights.save_params(str(tmp_path / 'checkpoints'), step, jax.tree_util.tree_map(lambda x: x * i, params))
   folder = tmp_path / 'checkpoints' / '30' / 'params'
