@@ -43,7 +43,7 @@ def workdir(request, tmp_path_factory):
   config.max_extra_length, config.average_last = EXTRA, 1
   model_config = settings.model_settings(config)
   dummy = np.ones((1, 4), np.int32)
-  params = nn.meta.unbox(jax.jit(Transformer(model_config).init)(jax.random.key(3), dummy, dummy)['params'])
+  params = nn.meta.unbox(Transformer(model_config).init(jax.random.key(3), dummy, dummy)['params'])
   params = jax.tree_util.tree_map(lambda x: np.asarray(x) * 3.0, params)
   weights.save_params(checkpointing.checkpoint_dir(directory), 1, params)
   workdirs.write_config(directory, settings.to_json(config))
