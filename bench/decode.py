@@ -3,8 +3,9 @@ vs the same weights exported to CTranslate2 (float32 and int8; skipped when ctra
 
 python bench/decode.py   (tiny shape: vocab 8192, d_model 256, 3+3 layers, 4 heads, d_ff 1024, random weights,
 64 sources of 20 tokens, exactly 40 generated tokens per sentence, EOS disabled)
-Prints a markdown table (with each decoder's model GFLOP/s as a fraction of the same run's 2048³ matmul, and the
-sentences/s it would reach at that peak); the last line is one JSON object.
+Every decoder but the prefix-recomputing baseline runs in turn, 5 rounds, medians. Prints a markdown table (with
+each decoder's model GFLOP/s as a fraction of the same run's 2048³ matmul, and the sentences/s it would reach at
+that peak); the last line is one JSON object.
 
 python bench/decode.py --against=REV [--rounds=7]
 The beam-4 search of this tree against the package at git revision REV (imported beside it, in this process),
@@ -357,11 +358,15 @@ def main():
   tokens = np.asarray(runs['beam 4, KV cache (ours)'](params, inputs))
   assert (tokens > 0).sum(1).min() == OUTPUT_LENGTH, 'every sentence must produce exactly 40 tokens'
   same = np.mean(np.all(tokens == np.asarray(runs['beam 4, no cache (re-run prefix)'](params, inputs)), axis=1))
-  seconds = {name: time_it(fn, params, inputs, repeats=3 if 'no cache' in name else 5) for name, fn in runs.items()}
   beams = {name: 1 if 'greedy' in name else 4 for name in runs}
+  timed = {name: functools.partial(fn, params, inputs) for name, fn in runs.items() if 'no cache' not in name}
   with tempfile.TemporaryDirectory() as directory:
     for name, (fn, beam) in ctranslate2_runs(params, inputs, directory).items():
-      seconds[name], beams[name] = time_it(fn), beam
+      timed[name], beams[name] = fn, beam
+    rounds = alternating(timed, (), 5)  # in turn, so that no entry alone meets a slow phase of the machine
+  seconds = {name: time_it(fn, params, inputs, repeats=3) if 'no cache' in name else statistics.median(rounds[name])
+             for name, fn in runs.items()}
+  seconds.update((name, statistics.median(times)) for name, times in rounds.items() if name not in runs)
   peak = matmul_peak(jax, jnp)
   print(f'matmul peak {peak:.0f} GFLOP/s (2048³ float32 jit, this run); model FLOPs per {BATCH} sentences: '
         f'{decode_flops(4) / 1e9:.1f} G at beam 4, {decode_flops(1) / 1e9:.1f} G greedy\n')
