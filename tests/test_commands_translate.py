@@ -247,3 +247,13 @@ def test_an_ensemble_of_a_run_with_itself_and_its_moving_average_translate(train
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     outputs[name] = result.stdout.decode().splitlines()
   assert outputs['two'] == outputs['one'] and len(outputs['ema']) == 3
+
+
+def test_beam_stop_is_the_configs_unless_the_flag_says(trained, monkeypatch):
+  workdir, config = trained
+  loaded = []
+  monkeypatch.setattr(translate_command, 'translate', lambda f: loaded.append(translate_command.load(f).beam_stop))
+  for flags in ([], ['--beam_stop=beam_ended']):
+    assert translate_command.main(['translate.py', f'--workdir={workdir}', *flags]) == 0
+  assert loaded == [config.beam_stop, 'beam_ended'] and config.beam_stop == 'bound'
+  assert _translate(workdir, '--beam_stop=sometimes').returncode != 0
