@@ -106,6 +106,19 @@ def decode_flops(beam_size: int, c: TransformerConfig = CONFIG) -> float:
   return 2.0 * (encoder + cross_keys_values + BATCH * beam_size * sum(per_step))
 
 
+def exported(params, model_config, pieces, directory: str, quantization: str = 'float32'):
+  """A CTranslate2 translator of these weights (flax_transformer.export) saved under `directory`, one intra-op
+  thread per core."""
+  import ctranslate2
+  from flax_transformer import export
+  spec = export.model_spec(jax.device_get(params), model_config, pieces)
+  spec.validate()
+  spec.optimize(quantization=None if quantization == 'float32' else quantization)
+  os.makedirs(directory, exist_ok=True)
+  spec.save(directory)
+  return ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
+
+
 def ctranslate2_runs(params, inputs, directory):
   """CTranslate2 translators of the same weights (flax_transformer.export), timed on the same sources with
   exactly OUTPUT_LENGTH tokens (EOS is allowed only at the limit), one thread per core: name -> function."""
@@ -113,19 +126,11 @@ def ctranslate2_runs(params, inputs, directory):
     import ctranslate2
   except ImportError:
     return {}
-  from flax_transformer import export
   pieces = ['<pad>', '</s>', '<unk>'] + [f'w{i}' for i in range(3, CONFIG.vocab_size)]
   sources = [[pieces[i] for i in row] for row in np.asarray(inputs)]
   runs = {}
   for quantization in ('float32', 'int8'):
-    spec = export.model_spec(jax.device_get(params), CONFIG, pieces)
-    spec.validate()
-    spec.optimize(quantization=None if quantization == 'float32' else quantization)
-    path = os.path.join(directory, quantization)
-    os.makedirs(path)
-    spec.save(path)
-    translator = ctranslate2.Translator(path, device='cpu', compute_type='default', inter_threads=1,
-                                        intra_threads=os.cpu_count())
+    translator = exported(params, CONFIG, pieces, os.path.join(directory, quantization), quantization)
     for beam in (4, 1):
       runs[f'{"beam 4" if beam == 4 else "greedy"}, CTranslate2 {ctranslate2.__version__} {quantization}'] = (
           functools.partial(translator.translate_batch, sources, beam_size=beam, max_batch_size=BATCH,
@@ -227,15 +232,9 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
           'greedy, ours': functools.partial(translator.translate, sentences, beam_size=1)}
   try:
     import ctranslate2
-    from flax_transformer import export
-    directory = tempfile.mkdtemp(prefix='decode_ct2_')
     processor = translator.processor
     pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-    spec = export.model_spec(jax.device_get(translator.params), translator.model_config, pieces)
-    spec.validate()
-    spec.optimize(quantization=None)
-    spec.save(directory)
-    ct2 = ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
+    ct2 = exported(translator.params, translator.model_config, pieces, tempfile.mkdtemp(prefix='decode_ct2_'))
     tokens = [processor.encode(s, out_type=str) for s in sentences]
     limit = translator.max_extra_length
 
@@ -290,20 +289,13 @@ def per_step(workdir: str, rounds: int):
   the exported model, with the same forced length (what the real-sentence table's batches run through as
   their sentences finish)."""
   from flax_transformer.translator import Translator
-  import ctranslate2
-  from flax_transformer import export
   translator = Translator.from_workdir(workdir, beam_size=4)
   model, params, source_length = translator.model, translator.params, 14
   cache_length = search.decode_length(source_length, translator.max_extra_length, translator.max_positions)
   program = jax.jit(functools.partial(cached, model=model, beam_size=4, cache_length=cache_length))
   processor = translator.processor
   pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-  directory = tempfile.mkdtemp(prefix='decode_ct2_')
-  spec = export.model_spec(jax.device_get(params), translator.model_config, pieces)
-  spec.validate()
-  spec.optimize(quantization=None)
-  spec.save(directory)
-  ct2 = ctranslate2.Translator(directory, device='cpu', inter_threads=1, intra_threads=os.cpu_count())
+  ct2 = exported(params, translator.model_config, pieces, tempfile.mkdtemp(prefix='decode_ct2_'))
   rng = np.random.default_rng(0)
   print(f'beam 4, {OUTPUT_LENGTH} forced steps from {source_length}-token sources, cache of {cache_length} '
         f'positions; medians of {rounds} alternating rounds\n')

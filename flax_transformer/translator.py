@@ -149,11 +149,8 @@ class Translator:
     count = 1 if checkpoint == 'best' else average_last if average_last is not None else run.loop.average_last
     params, chosen = weights_.chosen_params(source, model_config, count, step=step, best=checkpoint == 'best',
                                             metric=run.loop.best_metric, weights=weights, where=where)
-    d = run.decode
-    defaults = {'beam_size': d.beam_size, 'length_penalty_alpha': d.length_penalty_alpha,
-                'max_extra_length': d.max_extra_length, 'eval_tokens_per_batch': d.eval_tokens_per_batch,
-                'beam_top_k': d.beam_top_k, 'beam_stop': d.beam_stop}
-    return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run, **{**defaults, **overrides})
+    return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run,
+               **{**decoding_options(run.decode), **overrides})
 
   @classmethod
   def from_workdirs(cls, workdirs: list[str], **kwargs) -> 'Translator':
@@ -174,9 +171,7 @@ class Translator:
         raise UserError(f'{workdir} has another vocabulary than {workdirs[0]} ({differs}); an ensemble decodes one '
                         f'vocabulary: train its models with --config.vocab_path set to one sentencepiece.model')
     return cls([t.params for t in loaded], [t.model_config for t in loaded], first.processor,
-               beam_size=first.beam_size, length_penalty_alpha=first.length_penalty_alpha,
-               max_extra_length=first.max_extra_length, eval_tokens_per_batch=first.eval_tokens_per_batch,
-               beam_top_k=first.beam_top_k, beam_stop=first.beam_stop, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
+               **decoding_options(first), checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
 
   @property
   def ensemble(self) -> bool:
@@ -325,6 +320,12 @@ class Translator:
         if with_attention:
           attention[i] = (source_ids[i], target_ids[i], np.asarray(weights[row]))
     return scores, (attention if with_attention else None)
+
+
+def decoding_options(source) -> dict:
+  """Translator's decoding keyword arguments as `source` holds them: a run's DecodeSettings, or a Translator."""
+  return {name: getattr(source, name) for name in ('beam_size', 'length_penalty_alpha', 'max_extra_length',
+                                                   'eval_tokens_per_batch', 'beam_top_k', 'beam_stop')}
 
 
 def _check_beam(beam_size, length_penalty_alpha):

@@ -49,11 +49,7 @@ class Evaluation(Hook):
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
-    d = s.decode
-    model = translator.Translator(params, s.model, run.processor, beam_size=d.beam_size,
-                                  length_penalty_alpha=d.length_penalty_alpha, max_extra_length=d.max_extra_length,
-                                  eval_tokens_per_batch=d.eval_tokens_per_batch, beam_top_k=d.beam_top_k,
-                                  beam_stop=d.beam_stop)
+    model = translator.Translator(params, s.model, run.processor, **translator.decoding_options(s.decode))
     return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
 
   def evaluate(self, step: int, params, split: str = 'eval') -> dict:
