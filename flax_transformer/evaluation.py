@@ -6,7 +6,6 @@ import re
 import jax
 import sacrebleu
 
-BLEU_TOKENIZERS = tuple(sorted(sacrebleu.metrics.BLEU.TOKENIZERS))  # config.bleu_tokenize: sacreBLEU's own list
 
 
 def evaluate_loss(eval_step, params, batches, to_global, should_stop=None) -> dict | None:

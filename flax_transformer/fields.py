@@ -6,6 +6,8 @@ older config.json; configs/*.py set the values.
 
 import dataclasses
 
+from flax_transformer.errors import ConfigError
+
 NEW = object()  # `before` of a field every saved config.json has
 
 
@@ -54,3 +56,16 @@ def typed(field: dataclasses.Field, value):
   if field.type is tuple and isinstance(value, list):
     return tuple(value)
   return value
+
+
+def check_values(cls, values: dict, spelled=lambda name: name) -> None:
+  """Each of `values` ({field name: value}; None: left to its default) against its declaration in the settings
+  dataclass `cls`, wherever the value comes from (a config, a flag, a keyword argument): a one-line ConfigError
+  naming the value as the caller wrote it (`spelled(name)`: '--alpha', 'length_penalty_alpha', ...)."""
+  declared = {f.name: f for f in dataclasses.fields(cls)}
+  for name, value in values.items():
+    if value is None:
+      continue
+    why = problem(declared[name], value)
+    if why:
+      raise ConfigError(f'{spelled(name)}={value!r}: {why} ({declared[name].metadata["doc"].rstrip(".")})')

@@ -14,12 +14,12 @@ import os
 
 import jax
 
+from flax_transformer.decoding_settings import TOP_K
 from flax_transformer.errors import ConfigError
 
 PLATFORMS = ('cpu', 'gpu', 'tpu')
 DROPOUT_MASKS = ('hash', 'random')
 ATTENTION = ('xla', 'cudnn', 'explicit')
-TOP_K = ('two_stage', 'lax')
 OUTPUT_LOSS = ('fused', 'optax')
 
 

@@ -10,39 +10,14 @@ hypothesis's ancestry table: the flat self-attention cache is never copied, and 
 finished sentences from the batch in a few phases of halving size (CTranslate2 drops them step by step).
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import evaluation, platforms
 from flax_transformer.constants import EOS_ID, IMPOSSIBLE_SCORE, PAD_ID
-from flax_transformer.fields import setting
-
-
-BEAM_STOPS = ('bound', 'beam_ended')  # beam_search's stopping rules
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSettings:
-  """§6.1 decoding and its scoring, config fields of these names."""
-  beam_size: int = setting('§6.1 beam size (4); 1 is greedy search.', minimum=1)
-  length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
-                                        high=float('inf'))
-  max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0)
-  beam_stop: str = setting("When a sentence's beam search stops: 'bound' (tensor2tensor's: once no live hypothesis "
-                           "can still beat the best ended one; the result of running to the length limit) or "
-                           "'beam_ended' (fairseq's and CTranslate2's: once beam-size hypotheses have ended among "
-                           "the steps' beam-size best; fewer steps, may keep a shorter output).", choices=BEAM_STOPS,
-                           before='bound')
-  beam_top_k: str = setting("How the beam's top-k (and greedy's best token) is found: 'two_stage' (block maxima "
-                            "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.", choices=platforms.TOP_K + ('auto',),
-                            before='auto')
-  eval_tokens_per_batch: int = setting('Source tokens of an evaluation or translation batch.', minimum=1)
-  bleu_tokenize: str = setting("sacreBLEU's tokenizer for validation BLEU and translate.py --reference ('none': "
-                               "pre-tokenized text).", choices=evaluation.BLEU_TOKENIZERS, before='13a')
+from flax_transformer.decoding_settings import BEAM_STOPS, TOP_K
 
 
 def length_penalty(length, length_penalty_alpha: float):
@@ -66,8 +41,8 @@ def top_k(x: jax.Array, k: int, beam_top_k: str = 'lax', excluded: int | None = 
   maxima, so the search takes those blocks' maxima, then the top k of the entries of the chosen blocks
   (in index order, so ties resolve to the lowest index, as lax.top_k does).
   """
-  if beam_top_k not in platforms.TOP_K:
-    raise ValueError(f'beam_top_k={beam_top_k!r}: use one of {platforms.TOP_K}')
+  if beam_top_k not in TOP_K:
+    raise ValueError(f'beam_top_k={beam_top_k!r}: use one of {TOP_K}')
   block = _block_size(x.shape[-1], k)
   if beam_top_k == 'lax' or block is None:
     if excluded is not None:

@@ -9,7 +9,7 @@ allowed values, the value older runs had); this module only assembles them:
   Settings.model      model.TransformerConfig          (config.model)
   Settings.data       parallel_text.DataSettings       sources, vocabulary, lengths, batches
   Settings.optimizer  optim.OptimizerSettings          Adam, the schedule, clipping, skipped steps
-  Settings.decode     search.DecodeSettings            beam search and BLEU
+  Settings.decode     decoding_settings.DecodeSettings beam search and BLEU
   Settings.loop       LoopSettings (below)             steps, intervals, checkpoints, the loss guard, seeds
   Settings.cluster    cluster.ClusterSettings          processes and their timeouts
 The loop's own settings are declared here: the modules of the loop sit above this one.
@@ -23,7 +23,7 @@ import ml_collections
 
 from flax_transformer import fields, platforms
 from flax_transformer.cluster import ClusterSettings
-from flax_transformer.search import DecodeSettings
+from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import ConfigError
 from flax_transformer.fields import setting
 from flax_transformer.model import TransformerConfig
@@ -178,6 +178,12 @@ def _stage(cls, config: ml_collections.ConfigDict, **given):
                 for f in dataclasses.fields(cls)})
 
 
+def decoding_for(decoding: DecodeSettings, platform: str | None = None) -> DecodeSettings:
+  """`decoding` with its 'auto' choice (the top-k path) made for `platform` (default: the one JAX runs on)."""
+  top_k = platforms.top_k(decoding.beam_top_k, platform or platforms.current())
+  return dataclasses.replace(decoding, beam_top_k=top_k)
+
+
 def cluster_settings(config: ml_collections.ConfigDict) -> ClusterSettings:
   """The processes' settings, for `cluster.start` (before JAX's platform is known)."""
   return _stage(ClusterSettings, config)
@@ -197,7 +203,7 @@ def resolve(config: ml_collections.ConfigDict, platform: str | None = None, chec
       platform=platform, model=model,
       data=_stage(DataSettings, config, vocab_size=model.vocab_size, **shared),
       optimizer=_stage(OptimizerSettings, config),
-      decode=_stage(DecodeSettings, config, beam_top_k=platforms.top_k(config.beam_top_k, platform)),
+      decode=decoding_for(_stage(DecodeSettings, config), platform),
       loop=_stage(LoopSettings, config, output_loss='fused' if platforms.fused_output_loss(config.output_loss, platform)
                   else 'optax', **shared),
       cluster=cluster_settings(config))

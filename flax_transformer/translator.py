@@ -13,20 +13,24 @@ compilation per batch shape and decoding choice, kept for the life of the proces
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import losses, platforms, search, tokenizer
+from flax_transformer import losses, search, tokenizer
 from flax_transformer.sentences import encode_sentences, split_at_punctuation, translation_batches
 from flax_transformer.constants import EOS_ID, PAD_ID
+from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import ArgumentError, UserError, WorkdirError
 from flax_transformer.model import Transformer
+from flax_transformer import settings as settings_
 from flax_transformer.settings import Settings
 
 WORD_START = '\u2581'  # SentencePiece's mark of a piece that begins a word
 CHECKPOINTS = ('last', 'best')  # which checkpoints a model is read from: the newest (averaged), or the best one
+RENAMED_KEYWORDS = {'alpha': 'length_penalty_alpha'}  # public keyword arguments renamed since: old -> new
 
 
 def _forced_scores(params, inputs, targets, *, model, with_attention: bool, layer: int = -1):
@@ -69,6 +73,21 @@ def texts(value, name: str = 'sentences') -> list[str]:
   return list(value)
 
 
+def renamed_keywords(method):
+  """`method` also taking the old names of RENAMED_KEYWORDS, with a DeprecationWarning naming the new one."""
+  @functools.wraps(method)
+  def taking_old_names(*args, **kwargs):
+    for old, new in RENAMED_KEYWORDS.items():
+      if old in kwargs:
+        if new in kwargs:
+          raise ArgumentError(f'{old}= and {new}= name the same value; give {new}= alone')
+        warnings.warn(f'the keyword {old}= is now {new}=; the old name will be removed', DeprecationWarning,
+                      stacklevel=2)
+        kwargs[new] = kwargs.pop(old)
+    return method(*args, **kwargs)
+  return taking_old_names
+
+
 def _words(processor, ids: list[int]) -> list[int]:
   """The word number of each piece: a piece marked as a word start (or the first) begins a new word."""
   words, current = [], -1
@@ -88,24 +107,17 @@ class Translator:
     model_config: the architecture they belong to; for an ensemble, a list of its members' (any shapes that
       share one vocabulary).
     processor: the SentencePiece vocabulary (`tokenizer.load`).
-    beam_size, length_penalty_alpha: the defaults of `translate` (1 = greedy); §6.1's are 4 and 0.6.
-    max_extra_length: each output may be this many tokens longer than its input (§6.1: 50).
-    eval_tokens_per_batch: source tokens per translation batch.
-    beam_top_k: how the beam's top-k is found ('two_stage' or 'lax'; see search.top_k; a run's is in its settings).
-    beam_stop: when a sentence's beam search stops: 'bound' (tensor2tensor's, the default) or 'beam_ended'
-      (fairseq's and CTranslate2's, fewer steps); see search.beam_search.
+    decoding: the decoding settings (decoding_settings.DecodeSettings: beam size, α, length limit, stopping rule,
+      top-k path, batch budget); default: §6.1's, or a run's when loaded from a workdir.
+    **changes: decoding settings by name, over `decoding` (e.g. beam_size=1 for greedy search), each checked.
     checkpoints: the checkpoint steps the parameters come from (reported only; per member for an ensemble).
     settings: the run's settings when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
-  def __init__(self, params, model_config, processor, *, beam_size: int = 4,
-               length_penalty_alpha: float = 0.6, max_extra_length: int = 50, eval_tokens_per_batch: int = 4096,
-               beam_top_k: str = 'lax', beam_stop: str = 'bound',
-               checkpoints: tuple = (), settings: Settings | None = None):
-    _check_beam(beam_size, length_penalty_alpha)
-    if eval_tokens_per_batch < 1:
-      raise UserError(f'eval_tokens_per_batch={eval_tokens_per_batch} must be at least 1; give the source tokens '
-                      f'per batch')
+  @renamed_keywords
+  def __init__(self, params, model_config, processor, *, decoding: DecodeSettings | None = None,
+               checkpoints: tuple = (), settings: Settings | None = None, **changes):
+    self.decoding = settings_.decoding_for((decoding or DecodeSettings()).replace(**changes))  # 'auto' made
     ensemble = isinstance(model_config, (list, tuple))
     configs = tuple(model_config) if ensemble else (model_config,)
     placed = tuple(p if _on_devices(p) else jax.device_put(p) for p in (params if ensemble else [params]))
@@ -115,15 +127,10 @@ class Translator:
     self.model_configs, self.processor = configs, processor
     self.model_config = configs[0]
     self.model, self.params = (models, placed) if ensemble else (models[0], placed[0])  # what search.members takes
-    self.beam_size, self.length_penalty_alpha, self.max_extra_length = beam_size, length_penalty_alpha, max_extra_length
-    if beam_top_k not in platforms.TOP_K:
-      raise UserError(f"beam_top_k={beam_top_k!r}: use one of {', '.join(platforms.TOP_K)}")
-    if beam_stop not in search.BEAM_STOPS:
-      raise UserError(f"beam_stop={beam_stop!r}: use one of {', '.join(search.BEAM_STOPS)}")
-    self.eval_tokens_per_batch, self.beam_top_k, self.beam_stop = eval_tokens_per_batch, beam_top_k, beam_stop
     self.checkpoints, self.settings = tuple(checkpoints), settings
 
   @classmethod
+  @renamed_keywords
   def from_workdir(cls, workdir: str, step: int | None = None, average_last: int | None = None,
                    checkpoint_dir: str | None = None, *, checkpoint: str = 'last', weights: str = 'params',
                    **overrides) -> 'Translator':
@@ -133,8 +140,7 @@ class Translator:
     validation metric (config.keep_best); otherwise the mean of the last `average_last` checkpoints
     (default: the run's config.average_last). `weights='ema'`: the weights' moving average (config.ema_decay)
     instead of the trained weights. `checkpoint_dir`: read the checkpoints from there instead of the workdir's.
-    Decoding defaults come from the run's settings unless given in `overrides` (the keyword arguments of
-    Translator).
+    Decoding settings are the run's, with `overrides` (decoding settings by name) over them.
     """
     from flax_transformer import storage, weights as weights_, workdirs
     if checkpoint not in CHECKPOINTS:
@@ -150,9 +156,10 @@ class Translator:
     params, chosen = weights_.chosen_params(source, model_config, count, step=step, best=checkpoint == 'best',
                                             metric=run.loop.best_metric, weights=weights, where=where)
     return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run,
-               **{**decoding_options(run.decode), **overrides})
+               decoding=run.decode, **overrides)
 
   @classmethod
+  @renamed_keywords
   def from_workdirs(cls, workdirs: list[str], **kwargs) -> 'Translator':
     """An ensemble of the models in `workdirs` (each read as `from_workdir` reads one, with the same keyword
     arguments), decoded with the mean of their log-probabilities; they may differ in shape but must share the
@@ -171,7 +178,14 @@ class Translator:
         raise UserError(f'{workdir} has another vocabulary than {workdirs[0]} ({differs}); an ensemble decodes one '
                         f'vocabulary: train its models with --config.vocab_path set to one sentencepiece.model')
     return cls([t.params for t in loaded], [t.model_config for t in loaded], first.processor,
-               **decoding_options(first), checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
+               decoding=first.decoding, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
+
+  beam_size = property(lambda self: self.decoding.beam_size)
+  length_penalty_alpha = property(lambda self: self.decoding.length_penalty_alpha)
+  max_extra_length = property(lambda self: self.decoding.max_extra_length)
+  eval_tokens_per_batch = property(lambda self: self.decoding.eval_tokens_per_batch)
+  beam_top_k = property(lambda self: self.decoding.beam_top_k)
+  beam_stop = property(lambda self: self.decoding.beam_stop)
 
   @property
   def ensemble(self) -> bool:
@@ -197,6 +211,7 @@ class Translator:
     """Indices of the sentences (as `encode` gives them) longer than the model takes."""
     return [i for i, ids in enumerate(encoded) if len(ids) > self.max_source_tokens]
 
+  @renamed_keywords
   def translate(self, sentences: list[str], beam_size: int | None = None, length_penalty_alpha: float | None = None,
                 *,
                 split_long: bool = False, encoded: list[list[int]] | None = None, progress=None,
@@ -227,6 +242,7 @@ class Translator:
       translations[owner] = f'{translations[owner]} {best[0][0]}'.strip() if best else translations[owner]
     return translations
 
+  @renamed_keywords
   def n_best(self, sentences: list[str], k: int, beam_size: int | None = None,
              length_penalty_alpha: float | None = None) -> list[list[tuple[str, float]]]:
     """The `k` best translations of each sentence with their length-penalised log-probabilities (the
@@ -274,7 +290,7 @@ class Translator:
     """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best."""
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
-    _check_beam(beam_size, alpha)
+    self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as the settings are
     results = [[] for _ in encoded]
     batches = translation_batches(encoded, self.max_source_tokens, self.eval_tokens_per_batch)
     total, done = sum(len(indices) for indices, _ in batches), 0
@@ -320,20 +336,6 @@ class Translator:
         if with_attention:
           attention[i] = (source_ids[i], target_ids[i], np.asarray(weights[row]))
     return scores, (attention if with_attention else None)
-
-
-def decoding_options(source) -> dict:
-  """Translator's decoding keyword arguments as `source` holds them: a run's DecodeSettings, or a Translator."""
-  return {name: getattr(source, name) for name in ('beam_size', 'length_penalty_alpha', 'max_extra_length',
-                                                   'eval_tokens_per_batch', 'beam_top_k', 'beam_stop')}
-
-
-def _check_beam(beam_size, length_penalty_alpha):
-  if not isinstance(beam_size, int) or beam_size < 1:
-    raise UserError(f'beam_size={beam_size!r} must be a positive integer (1 = greedy search)')
-  if length_penalty_alpha < 0:
-    raise UserError(f'length_penalty_alpha={length_penalty_alpha} must be 0 or more (0 = no length penalty; the '
-                    f'paper uses 0.6)')
 
 
 def _on_devices(params) -> bool:

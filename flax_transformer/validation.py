@@ -43,13 +43,14 @@ class Evaluation(Hook):
   def _translate(self, params, should_stop):
     s, run = self.run.settings, self.run
     if self.sources is None:
-      pairs = list(parallel_text.python_pairs(s.data, 'eval'))[:s.loop.num_eval_bleu_sentences]
+      pairs = storage.within(s.loop.storage_timeout_seconds, 'reading the validation sentences', lambda: list(
+          parallel_text.python_pairs(s.data, 'eval'))[:s.loop.num_eval_bleu_sentences])
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
       self.encoded = sentences.encode_sentences(run.processor, self.sources)
     if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
       from jax.experimental import multihost_utils
       params = multihost_utils.process_allgather(params, tiled=True)
-    model = translator.Translator(params, s.model, run.processor, **translator.decoding_options(s.decode))
+    model = translator.Translator(params, s.model, run.processor, decoding=s.decode)
     return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
 
   def evaluate(self, step: int, params, split: str = 'eval') -> dict:
@@ -57,7 +58,8 @@ class Evaluation(Hook):
     s, run, should_stop = self.run.settings, self.run, lambda: self.signals.received is not None
     if self.batches is None:
       dp_size = partitioning.data_parallel_size(run.mesh)
-      self.batches = token_table.eval_batches(s.data, run.vocab_path, 'eval', dp_size)
+      self.batches = storage.within(s.loop.storage_timeout_seconds, 'reading the validation data and vocabulary',
+                                    lambda: token_table.eval_batches(s.data, run.vocab_path, 'eval', dp_size))
     results = evaluation.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
     if results is not None and s.loop.num_eval_bleu_sentences > 0:
       hypotheses = self._translate(params, should_stop)

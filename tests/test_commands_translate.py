@@ -48,7 +48,7 @@ def test_translates_in_order_with_empty_lines_and_bleu(trained, tmp_path):
     (['--input=-', '--average_last=7'], b'hello\n', 'cannot average the last 7 checkpoints'),
     (['--input=-'], b'ok\n\xff\n', 'standard input: line 2 is not valid UTF-8'),
     (['--input=-', '--step=999'], b'x\n', 'no checkpoint at step 999'),
-    (['--input=-', '--beam_size=0'], b'x\n', '--beam_size=0 must be at least 1'),
+    (['--input=-', '--beam_size=0'], b'x\n', '--beam_size=0: must be a positive integer'),
     (['--input=/no/such/file.txt'], b'', '--input file /no/such/file.txt does not exist; check the --input path'),
     (['--input=-', '--score'], b'x\n', '--score needs --reference=FILE'),
 ])
@@ -231,7 +231,7 @@ def test_installed_commands_are_the_scripts(tmp_path):
   script, command = run([sys.executable, os.path.join(ROOT, 'translate.py')]), run([installed])
   assert script.returncode == command.returncode == 1
   assert script.stderr.splitlines()[-1] == command.stderr.splitlines()[-1] == \
-      'error: --beam_size=0 must be at least 1 (1 = greedy search)'
+      'error: --beam_size=0: must be a positive integer (§6.1 beam size (4); 1 is greedy search)'
 
 
 def test_an_ensemble_of_a_run_with_itself_and_its_moving_average_translate(trained, tmp_path):
@@ -252,7 +252,8 @@ def test_an_ensemble_of_a_run_with_itself_and_its_moving_average_translate(train
 def test_beam_stop_is_the_configs_unless_the_flag_says(trained, monkeypatch):
   workdir, config = trained
   loaded = []
-  monkeypatch.setattr(translate_command, 'translate', lambda f: loaded.append(translate_command.load(f).beam_stop))
+  monkeypatch.setattr(translate_command, 'translate',
+                      lambda f, argv=(): loaded.append(translate_command.load(f).beam_stop))
   for flags in ([], ['--beam_stop=beam_ended']):
     assert translate_command.main(['translate.py', f'--workdir={workdir}', *flags]) == 0
   assert loaded == [config.beam_stop, 'beam_ended'] and config.beam_stop == 'bound'

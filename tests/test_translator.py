@@ -112,13 +112,30 @@ def test_alignments_are_the_argmax_of_the_penultimate_layers_cross_attention(tra
 
 @pytest.mark.parametrize('call,message', [
     (lambda t: t.score(['a', 'b'], ['A']), '2 sources but 1 targets'),
-    (lambda t: t.translate(['a'], beam_size=0), 'beam_size=0 must be a positive integer'),
+    (lambda t: t.translate(['a'], beam_size=0), 'beam_size=0: must be a positive integer'),
     (lambda t: t.n_best(['a'], 0), 'n_best k=0 must be a positive integer'),
-    (lambda t: t.translate(['a'], length_penalty_alpha=-1.0), 'length_penalty_alpha=-1.0 must be 0 or more'),
+    (lambda t: t.translate(['a'], length_penalty_alpha=-1.0), r'length_penalty_alpha=-1.0: must be in \[0, inf\)'),
+    (lambda t: t.translate(['a'], length_penalty_alpha=float('nan')),
+     r'length_penalty_alpha=nan: must be in \[0, inf\)'),
+    (lambda t: Translator(t.params, t.model_config, t.processor, max_extra_length=-5),
+     'max_extra_length=-5: must be a non-negative integer'),
+    (lambda t: Translator(t.params, t.model_config, t.processor, beam_stop='never'),
+     "beam_stop='never': must be one of bound, beam_ended"),
+    (lambda t: t.translate(['a'], alpha=1.0, length_penalty_alpha=1.0),
+     'alpha= and length_penalty_alpha= name the same'),
 ])
 def test_bad_arguments_are_one_line_errors(translator, call, message):
   with pytest.raises(UserError, match=message):
     call(translator)
+
+
+def test_the_old_keyword_alpha_still_works_with_a_deprecation_warning(translator):
+  with pytest.warns(DeprecationWarning, match='the keyword alpha= is now length_penalty_alpha='):
+    old = translator.translate(LINES[:2], alpha=1.0)
+  assert old == translator.translate(LINES[:2], length_penalty_alpha=1.0)
+  with pytest.warns(DeprecationWarning):
+    renamed = Translator(translator.params, translator.model_config, translator.processor, alpha=0.0)
+  assert renamed.length_penalty_alpha == 0.0
 
 
 def test_from_workdir_names_missing_checkpoints(trained_run, tmp_path):

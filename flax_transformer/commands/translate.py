@@ -25,6 +25,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up 
 
 def define(flag_values, argv) -> None:
   from absl import flags
+  from flax_transformer import decoding_settings
   define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
       name, default, help_string, flag_values=flag_values, **kw)
   define('string', 'workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/); several '
@@ -38,20 +39,21 @@ def define(flag_values, argv) -> None:
          'targets to score.')
   define('integer', 'beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
   define('float', 'length_penalty_alpha', None, 'Length-penalty exponent α (default: the config\'s).')
-  flags.DEFINE_enum('beam_stop', None, ['bound', 'beam_ended'], 'When a sentence\'s beam stops (default: the config\'s '
-                    'beam_stop): bound (once no live hypothesis can beat the best ended one) or beam_ended (once beam '
-                    'size hypotheses have ended, as fairseq and CTranslate2; fewer steps).', flag_values=flag_values)
+  flags.DEFINE_enum('beam_stop', None, list(decoding_settings.BEAM_STOPS), 'When a sentence\'s beam stops (default: '
+                    'the config\'s beam_stop): bound (once no live hypothesis can beat the best ended one) or '
+                    'beam_ended (once beam size hypotheses have ended, as fairseq and CTranslate2; fewer steps).',
+                    flag_values=flag_values)
   define('integer', 'eval_tokens_per_batch', None, 'Source tokens per translation batch (default: the config\'s).')
-  flags.DEFINE_alias('alpha', 'length_penalty_alpha', flag_values=flag_values)
-  flags.DEFINE_alias('batch_tokens', 'eval_tokens_per_batch', flag_values=flag_values)
+  for alias, name in ALIASES.items():
+    flags.DEFINE_alias(alias, name, flag_values=flag_values)
   define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
   define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
   define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
          'layer\'s cross-attention).')
   define('float', 'stream_wait', 0.05, 'With --input=-: seconds to wait for more lines before translating those '
          'that have arrived.')
-  flags.DEFINE_enum('bleu_tokenize', None, ['13a', 'none', 'intl', 'zh', 'char'], 'sacreBLEU tokenizer (default: the '
-                    'config\'s bleu_tokenize): 13a for detokenized text, none for pre-tokenized references.',
+  flags.DEFINE_enum('bleu_tokenize', None, list(decoding_settings.BLEU_TOKENIZERS), 'sacreBLEU tokenizer (default: '
+                    'the config\'s bleu_tokenize): 13a for detokenized text, none for pre-tokenized references.',
                     flag_values=flag_values)
   define('bool', 'lowercase', False, 'Case-insensitive BLEU.')
   define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
@@ -61,18 +63,25 @@ def define(flag_values, argv) -> None:
 
 
 STREAM_LINES = 256  # the most stdin lines translated together
+DECODING_FLAGS = ('beam_size', 'length_penalty_alpha', 'eval_tokens_per_batch', 'beam_stop')  # DecodeSettings' names
 
 
-def check_flags(f) -> None:
+ALIASES = {'alpha': 'length_penalty_alpha', 'batch_tokens': 'eval_tokens_per_batch'}  # short name -> flag
+
+
+def typed(argv: list[str], name: str) -> str:
+  """The flag `name` as the command line spells it (its short alias, if that is what was typed)."""
+  from flax_transformer import commands
+  short = next((alias for alias, flag in ALIASES.items() if flag == name), None)
+  return f'--{short}' if short and commands.argv_value(argv, short) is not None else f'--{name}'
+
+
+def check_flags(f, argv: list[str] = ()) -> None:
   """Every flag that can be wrong without the model: before anything is loaded or compiled."""
   from flax_transformer import parallel_text, storage
   from flax_transformer.errors import UserError
-  if f.beam_size is not None and f.beam_size < 1:
-    raise UserError(f'--beam_size={f.beam_size} must be at least 1 (1 = greedy search)')
-  if f.length_penalty_alpha is not None and f.length_penalty_alpha < 0:
-    raise UserError(f'--length_penalty_alpha={f.length_penalty_alpha} must be 0 or more (0 = no length penalty)')
-  if f.eval_tokens_per_batch is not None and f.eval_tokens_per_batch < 1:
-    raise UserError(f'--eval_tokens_per_batch={f.eval_tokens_per_batch} must be at least 1')
+  from flax_transformer import decoding_settings
+  decoding_settings.check({name: getattr(f, name) for name in DECODING_FLAGS}, lambda name: typed(argv, name))
   if f.n_best < 0:
     raise UserError(f'--n_best={f.n_best} must be 1 or more (0 = translations only)')
   if f.score and not f.reference:
@@ -176,22 +185,20 @@ def load(f):
   """The Translator the flags name: one workdir's model (its weights and checkpoints as --weights, --checkpoint,
   --step, --average_last say) or an ensemble's."""
   from flax_transformer.translator import Translator
-  overrides = {'eval_tokens_per_batch': f.eval_tokens_per_batch} if f.eval_tokens_per_batch else {}
-  if f.beam_stop:
-    overrides['beam_stop'] = f.beam_stop
+  overrides = {name: getattr(f, name) for name in ('eval_tokens_per_batch', 'beam_stop')}  # None: the run's
   chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
   if len(workdirs(f)) > 1:
     return Translator.from_workdirs(workdirs(f), **chosen, **overrides)
   return Translator.from_workdir(f.workdir, checkpoint_dir=f.checkpoint_dir, **chosen, **overrides)
 
 
-def translate(f) -> None:
+def translate(f, argv: list[str] = ()) -> None:
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()
   import jax
   from flax_transformer import evaluation, parallel_text, platforms, storage
 
-  check_flags(f)
+  check_flags(f, argv)
   platforms.enable_compilation_cache()  # each batch shape's search compiled once, for every later translation
   references = parallel_text.read_lines(f.reference) if f.reference else None
   sources = None if f.input == '-' else parallel_text.read_lines(f.input)
@@ -248,7 +255,7 @@ def translate(f) -> None:
 def main(argv: list[str]) -> int:
   """The program on `argv`; returns its exit status (flax_transformer.commands)."""
   from flax_transformer import commands
-  return commands.run_program(argv, define, translate, __doc__, required=('workdir',))
+  return commands.run_program(argv, define, lambda f: translate(f, argv), __doc__, required=('workdir',))
 
 
 def console():

@@ -1,0 +1,57 @@
+"""How a trained model decodes, in one place: `DecodeSettings`, each field declared once with its default (the
+paper's, §6.1), its allowed values and its description. A run's config sets them (settings.py checks them from
+these declarations), the Translator starts from a run's or from the defaults and takes changes through
+`replace`, and translate.py's flags are checked by the same declarations. Nothing here imports JAX, so a
+program can define its flags from it before JAX starts.
+"""
+
+import dataclasses
+
+import sacrebleu
+
+from flax_transformer import fields
+from flax_transformer.errors import ArgumentError
+from flax_transformer.fields import setting
+
+BEAM_STOPS = ('bound', 'beam_ended')  # search.beam_search's stopping rules
+TOP_K = ('two_stage', 'lax')  # search.top_k's two ways; a run's 'auto' picks one per platform (platforms.top_k)
+BLEU_TOKENIZERS = tuple(sorted(sacrebleu.metrics.BLEU.TOKENIZERS))  # sacreBLEU's own list
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """§6.1 decoding and its scoring: config fields of these names, the Translator's keyword arguments and
+  translate.py's flags."""
+  beam_size: int = setting('§6.1 beam size (4); 1 is greedy search.', minimum=1, default=4)
+  length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
+                                        high=float('inf'), default=0.6)
+  max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0,
+                                  default=50)
+  beam_stop: str = setting("When a sentence's beam search stops: 'bound' (tensor2tensor's: once no live hypothesis "
+                           "can still beat the best ended one; the result of running to the length limit) or "
+                           "'beam_ended' (fairseq's and CTranslate2's: once beam-size hypotheses have ended among "
+                           "the steps' beam-size best; fewer steps, may keep a shorter output).", choices=BEAM_STOPS,
+                           before='bound', default='bound')
+  beam_top_k: str = setting("How the beam's top-k (and greedy's best token) is found: 'two_stage' (block maxima "
+                            "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.",
+                            choices=TOP_K + ('auto',), before='auto', default='auto')
+  eval_tokens_per_batch: int = setting('Source tokens of an evaluation or translation batch.', minimum=1,
+                                       default=8192)
+  bleu_tokenize: str = setting("sacreBLEU's tokenizer for validation BLEU and translate.py --reference ('none': "
+                               "pre-tokenized text).", choices=BLEU_TOKENIZERS, before='13a', default='13a')
+
+  def replace(self, **changes) -> 'DecodeSettings':
+    """These settings with `changes` (None: unchanged), each checked against its declaration."""
+    known = [f.name for f in dataclasses.fields(self)]
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+      raise ArgumentError(f'{unknown[0]}= is not a decoding setting; the decoding settings are {", ".join(known)}')
+    changes = {name: value for name, value in changes.items() if value is not None}
+    check(changes)
+    return dataclasses.replace(self, **changes)
+
+
+def check(values: dict, spelled=lambda name: name) -> None:
+  """Decoding values ({field: value}; None: not given), wherever they come from: a one-line error naming each
+  as the caller wrote it (`spelled(name)`: '--alpha', 'length_penalty_alpha', ...)."""
+  fields.check_values(DecodeSettings, values, spelled)
