@@ -8,8 +8,13 @@ that could be read as data. Offline, the error names the command that fetches th
 Multi30k task 1 (Elliott et al., 2016) comes from the multi30k/dataset repository at a pinned commit.
 """
 
+import contextlib
+import glob
 import hashlib
 import os
+import signal
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -27,7 +32,8 @@ SHA256 = {
     'test_2016_flickr.de.gz': '9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8',
 }
 FETCH_COMMAND = 'python tools/get_multi30k.py --dir=DIR'
-TIMEOUT_SECONDS = 30
+TIMEOUT_SECONDS = 30  # to connect, and for each read
+FILE_SECONDS = 600  # for a whole file: a server that trickles a byte at a time does not hold a run forever
 
 
 class DownloadError(UserError):
@@ -60,11 +66,11 @@ def fetch(paths: list[str], url: str) -> list[str]:
       raise DownloadError(f'{path} does not exist; config.download_url fetches into a local folder only')
     source, partial = url.format(name=name), f'{path}.part.{os.getpid()}'
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    remove_abandoned(path)
     print(f'downloading {source} to {path}', flush=True)
     try:
-      with urllib.request.urlopen(source, timeout=TIMEOUT_SECONDS) as response, open(partial, 'wb') as f:
-        while block := response.read(1 << 20):
-          f.write(block)
+      with _terminated_as_error(), open(partial, 'wb') as f:
+        _download(source, f)
       if sha256(partial) != SHA256[name]:
         raise DownloadError(f'{name} from {source} does not match its SHA-256; nothing was kept (a changed or '
                             f'truncated file); rerun, or fetch it with {FETCH_COMMAND}')
@@ -80,3 +86,55 @@ def fetch(paths: list[str], url: str) -> list[str]:
     print(f'{path}: {os.path.getsize(path) / 1e6:.2f} MB, checksum ok', flush=True)
     fetched.append(path)
   return fetched
+
+
+def _download(source: str, f) -> None:
+  """The body at `source` into the open file `f`, within FILE_SECONDS in all (TimeoutError past them; a read that
+  waits longer than TIMEOUT_SECONDS fails on its own)."""
+  deadline = time.monotonic() + FILE_SECONDS
+  with urllib.request.urlopen(source, timeout=min(TIMEOUT_SECONDS, FILE_SECONDS)) as response:
+    while True:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise TimeoutError(f'not complete after {FILE_SECONDS:g} s, {f.tell():,} bytes in')
+      block = response.read1(1 << 16)  # what has arrived, not a full block: the deadline is checked between reads
+      if not block:
+        return
+      f.write(block)
+
+
+def remove_abandoned(path: str) -> None:
+  """Removes the partial downloads of `path` (`path`.part.PID) whose process is gone (killed mid-download)."""
+  for partial in glob.glob(glob.escape(path) + '.part.*'):
+    pid = partial.rsplit('.', 1)[1]
+    if pid.isdigit() and not _alive(int(pid)):
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(partial)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
+
+
+@contextlib.contextmanager
+def _terminated_as_error():
+  """In the main thread, SIGTERM during the block raises OSError (so the partial file is removed and the program
+  says so in one line) instead of ending the process where it stands."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def terminated(signum, frame):
+    raise OSError('interrupted by SIGTERM; nothing was kept')
+
+  previous = signal.signal(signal.SIGTERM, terminated)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)

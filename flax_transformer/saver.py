@@ -18,12 +18,23 @@ class Saver:
   """Asynchronous checkpoints whose failure is reported at once, naming the step that failed; a save still
   unfinished after `timeout` seconds (a storage server that stopped answering) is a failure too."""
 
-  def __init__(self, manager, workdir: str, timeout: float):
+  def __init__(self, manager, workdir: str, timeout: float, intact_step: int | None = None):
     self.manager, self.workdir, self.timeout = manager, workdir, timeout
     self.step, self.started, self.failed = None, None, False  # the save in flight and when it began; whether one failed
+    self.intact_step = intact_step  # the newest checkpoint known to be whole (the one resumed from, or saved since)
+
+  def intact(self) -> str:
+    """The newest checkpoint known to be whole, in words, without asking the storage (which may be what failed);
+    and the save still in flight, if one is."""
+    said = ('no checkpoint was written' if self.intact_step is None else
+            f'checkpoint {self.intact_step} is the newest intact one')
+    if self.step is not None and self.step != self.intact_step and not self.failed:
+      said += f' (the save of step {self.step} did not finish)'
+    return said
 
   def _failure(self, step, error) -> CheckpointSaveFailed:
     self.failed = True  # Orbax's threads may wait forever now: the run exits without closing them
+    storage.stopping()  # what follows (the look below, the closing writes) shares one deadline
 
     def look():  # what the failed save left, and the newest checkpoint before it
       removed = checkpointing.remove_partial(self.workdir, step) if jax.process_index() == 0 else False
@@ -32,17 +43,17 @@ class Saver:
     try:
       removed, saved = storage.within(min(self.timeout, 60), 'looking at the checkpoints', look)
       intact = f'checkpoint {saved[-1]} is the newest intact one' if saved else 'no earlier checkpoint exists'
-    except Exception:  # the storage itself may be what failed
-      removed, intact = False, 'earlier checkpoints were not checked'
+    except Exception:  # the storage itself may be what failed: what is known without it
+      removed, intact = False, self.intact()
     cause = str(error) if isinstance(error, storage.StorageError) else checkpointing.reason(error)
     return CheckpointSaveFailed(f'saving the checkpoint at step {step} in {self.workdir} failed '
                                 f'({cause}){"; its partial files were removed" if removed else ""}; '
                                 f'the run stopped and {intact}')
 
   def _waited(self, what: str, call):
-    """`call()` within what is left of the save's `timeout` (at least a second)."""
+    """`call()` within what is left of the save's `timeout` (at least a second); its errors as themselves."""
     left = self.timeout - (time.monotonic() - self.started) if self.started else self.timeout
-    return storage.within(max(left, 1.0), what, call)
+    return storage.within(max(left, 1.0), what, call, own_errors=True)
 
   def check(self) -> None:
     """Raises for a failed or overdue asynchronous save, at the first step after it failed."""
@@ -50,8 +61,11 @@ class Saver:
       return
     try:
       self.manager.check_for_errors()
-      if time.monotonic() - self.started > self.timeout and self.manager.is_saving_in_progress():
+      in_progress = self.manager.is_saving_in_progress()
+      if time.monotonic() - self.started > self.timeout and in_progress:
         raise storage.overdue('the save', self.timeout)
+      if not in_progress:
+        self.intact_step = self.step
     except Exception as error:  # disk full, permission denied, storage gone quiet...
       raise self._failure(self.step, error) from None
 
@@ -64,6 +78,8 @@ class Saver:
         self.manager.wait_until_finished()  # returns at once, raising a failure of the last save
     except Exception as error:
       raise self._failure(self.step, error) from None
+    if self.step is not None:
+      self.intact_step = self.step
 
   def save(self, step: int, state, data_state: dict, metrics: dict | None = None) -> None:
     """Starts the save of `step` (after the one in flight); `metrics` rank it among the best checkpoints."""

@@ -15,8 +15,10 @@ import contextlib
 import logging
 import os
 import posixpath
+import re
 import tempfile
 import threading
+import time
 
 os.environ.setdefault('EPATH_USE_TF', 'false')  # gs:// through fsspec (gcsfs), which an emulator can stand in for
 # A storage server that stops answering fails a request instead of hanging it: TensorStore (Orbax's arrays)
@@ -155,11 +157,46 @@ def overdue(what: str, seconds: float) -> StorageError:
                       f'config.storage_timeout_seconds if it is only slow)')
 
 
-def within(seconds: float, what: str, call):
-  """`call()`'s result, awaited at most `seconds`: a call that has not returned by then (a storage server that
-  stopped answering) is a StorageError naming `what`, and is left behind in its daemon thread; its own
-  exception is raised as itself."""
-  outcome = {}
+# Once one storage call has overrun or failed, the program is stopping: every later call together (the look at
+# what a failed save left, the closing writes, the lock) ends within SHUTDOWN_SECONDS of that moment, so a
+# storage server that stopped answering costs the timeout once, not once per call.
+SHUTDOWN_SECONDS = 5.0
+_shutdown_deadline = None
+
+
+def stopping() -> None:
+  """Starts the shutdown's one deadline (if it has not started): see SHUTDOWN_SECONDS."""
+  global _shutdown_deadline
+  if _shutdown_deadline is None:
+    _shutdown_deadline = time.monotonic() + SHUTDOWN_SECONDS
+
+
+@contextlib.contextmanager
+def one_shutdown():
+  """A program's storage calls (a training run's) in this block share one shutdown deadline (`stopping`),
+  started afresh."""
+  global _shutdown_deadline
+  _shutdown_deadline = None
+  try:
+    yield
+  finally:
+    _shutdown_deadline = None
+
+
+def _left(seconds: float) -> float:
+  """`seconds`, or what is left of the shutdown's deadline if that is sooner."""
+  if _shutdown_deadline is None:
+    return seconds
+  return max(min(seconds, _shutdown_deadline - time.monotonic()), 0.01)
+
+
+def within(seconds: float, what: str, call, own_errors: bool = False):
+  """`call()`'s result, awaited at most `seconds` (less once the program is stopping: SHUTDOWN_SECONDS). A call
+  that has not returned by then (a storage server that stopped answering) is a StorageError naming `what`, and
+  is left behind in its daemon thread; a call that fails is a StorageError naming `what` and the cause (a full
+  disk, a connection the server dropped), a UserError as itself; with `own_errors`, every error as itself
+  (the caller says what failed)."""
+  outcome, seconds = {}, _left(seconds)
 
   def target():
     try:
@@ -171,14 +208,19 @@ def within(seconds: float, what: str, call):
   thread.start()
   thread.join(seconds)
   if thread.is_alive():
-    raise overdue(what, seconds)
-  if 'error' in outcome:
-    raise outcome['error']
+    stopping()
+    raise overdue(what, round(seconds, 1))
+  error = outcome.get('error')
+  if error is not None:
+    stopping()
+    raise error if isinstance(error, UserError) or own_errors or not isinstance(error, Exception) else \
+        StorageError(f'{what} failed ({_reason(error)})')
   return outcome.get('value')
 
 
 def _reason(error: Exception) -> str:
-  return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0][:160]}'
+  text = re.sub(r'\{\{[^}]*\}\}\s*', '', str(error)).strip()  # TensorFlow's {{function_node ...}} prefix
+  return f'{type(error).__name__}: {(text.splitlines() or [""])[0][:200]}'
 
 
 def check_writable(directory, what: str, fix: str) -> None:

@@ -10,6 +10,8 @@ before the next checkpoint is written, so the last good one stays untouched); va
 accuracy and BLEU on a validation sample every `eval_every_steps`.
 """
 
+import sys
+
 import jax
 
 from flax_transformer import checkpointing, hooks, storage, startup, validation
@@ -43,19 +45,24 @@ def build_hooks(run: startup.Run, log: MetricsLog, saver: Saver) -> list[hooks.H
 
 def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
-  run, state = startup.set_up(config, workdir, devices)
-  timeout = run.settings.loop.storage_timeout_seconds
-  log = MetricsLog(run.workdir, run.is_chief, timeout)
-  ordered = build_hooks(run, log, Saver(run.manager, run.workdir, timeout))
-  hooks.check_order(ordered)
-  failure = None
-  try:
-    step = _train(run, state, ordered)
-  except BaseException as error:
-    failure = error
-    raise
-  finally:
-    _close(run, log, ordered, failure)
+  with storage.one_shutdown():
+    run, state = startup.set_up(config, workdir, devices)
+    timeout = run.settings.loop.storage_timeout_seconds
+    log = MetricsLog(run.workdir, run.is_chief, timeout)
+    saver = Saver(run.manager, run.workdir, timeout, run.start_step or None)
+    ordered = build_hooks(run, log, saver)
+    hooks.check_order(ordered)
+    failure = None
+    try:
+      step = _train(run, state, ordered)
+    except storage.StorageError as error:  # a write that failed or overran: what is safe, from what is known
+      failure = storage.StorageError(f'{error}; the run stopped and {saver.intact()}')
+      raise failure from None
+    except BaseException as error:
+      failure = error
+      raise
+    finally:
+      _close(run, log, ordered, failure)
   named = {hook.name: hook for hook in ordered}
   evaluated = named['evaluation'].last
   return {'step': step, 'train': named['progress'].last, 'eval': evaluated.get('eval', {}),
@@ -65,7 +72,10 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
 def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:
   """The loop: a step, then every hook due after it, in the list's order; returns the last step."""
   loop, step, pending, end, compiled = run.settings.loop, run.start_step, [], None, set()
-  while step < loop.num_train_steps:
+  ended = finished(run, next(hook for hook in ordered if isinstance(hook, validation.EarlyStopping)))
+  if ended and run.is_chief:
+    print(f'warning: {ended}', file=sys.stderr, flush=True)
+  while step < loop.num_train_steps and not ended:
     batch = run.to_global(next(run.train_iter))
     shape = (batch['inputs'].shape, batch['targets'].shape)
     if shape not in compiled:  # a new batch shape: compiled (or read from the cache) now
@@ -85,6 +95,21 @@ def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:
   for hook in ordered:
     hook.at_end(end)
   return step
+
+
+def finished(run: startup.Run, early_stopping: validation.EarlyStopping) -> str:
+  """Why the run resumed at `run.start_step` has ended already (its steps are reached, or it stopped early), with
+  what to change to train on; '' if it has not."""
+  loop, step = run.settings.loop, run.start_step
+  if step and step >= loop.num_train_steps:
+    return (f'the run in {run.workdir} ended at step {step} (config.num_train_steps={loop.num_train_steps}); nothing '
+            f'was trained: to train on, raise --config.num_train_steps above {step}')
+  if step and early_stopping.patience and early_stopping.since >= early_stopping.patience:
+    return (f'the run in {run.workdir} stopped early at step {step}: validation {early_stopping.metric} has not '
+            f'improved for {early_stopping.since} evaluations (best at step {early_stopping.best_step}); nothing was '
+            f'trained: to train on, raise --config.early_stopping_evaluations above {early_stopping.since} (0: never '
+            f'stop early)')
+  return ''
 
 
 def _close(run: startup.Run, log: MetricsLog, ordered: list[hooks.Hook], failure: BaseException | None):

@@ -23,6 +23,7 @@ def check(workdir: str, s: 'settings.Settings') -> None:
                            'make it writable or choose another --workdir')
   except storage.StorageError as error:
     raise WorkdirError(str(error)) from None
+  saved = None
   if (storage.path(workdir) / CONFIG_FILENAME).exists():
     saved = read_settings(workdir, platform=s.platform)
     for stage, keys, prefix in (('model', [f.name for f in dataclasses.fields(s.model) if f.name not in COMPUTE_CHOICES],
@@ -33,6 +34,10 @@ def check(workdir: str, s: 'settings.Settings') -> None:
           raise WorkdirError(f'workdir {workdir} holds a run with {prefix}{key}={before!r} but this config has '
                              f'{now!r}; use a new --workdir (the existing run is left untouched)')
   steps = checkpointing.available_steps(workdir)
+  if steps and saved and saved.loop.seed != s.loop.seed:
+    raise WorkdirError(f'workdir {workdir} holds a run trained with config.seed={saved.loop.seed} (checkpoint '
+                       f'{steps[-1]}) but this config has {s.loop.seed}; a resumed run keeps its seed (initialisation, '
+                       f'dropout and data order): drop --config.seed, or use a new --workdir for another seed')
   if steps:
     import flax.linen as nn
     from flax_transformer import partitioning
@@ -59,6 +64,10 @@ def check_inputs(workdir, data: 'parallel_text.DataSettings', init_from: str = '
   if data.token_cache:
     storage.check_output(f'config.token_cache={data.token_cache}', data.token_cache, reads,
                          'give the token cache a folder of its own')
+    cache = storage.path(data.token_cache)
+    if cache.exists() and not cache.is_dir():
+      raise WorkdirError(f'config.token_cache={data.token_cache} is a file; give a folder for the token caches (a new '
+                         f'one, or one an earlier run filled), the file is left as it is')
 
 
 def write_config(workdir: str, text: str) -> None:

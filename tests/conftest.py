@@ -181,25 +181,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope='session')
 def gcs(tmp_path_factory):
-  """A local Google Cloud Storage (tests/helpers/gcs_emulator.py) with bucket `bucket`, one per test process (fsspec
-  keeps one client per process): yields the environment variables that point the product at it, also set
-  in this process from then on."""
-  port = free_port()
-  server = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'helpers', 'gcs_emulator.py'), str(port),
-                             str(tmp_path_factory.mktemp('gcs'))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  variables = {'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}', 'TENSORSTORE_GCS_HTTP_URL': f'http://127.0.0.1:{port}',
-               'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false', 'EPATH_USE_TF': 'false'}
-  import socket
-  import time
-  deadline = time.time() + 30
-  while True:
-    try:
-      socket.create_connection(('127.0.0.1', port), timeout=1).close()
-      break
-    except OSError:
-      if time.time() > deadline or server.poll() is not None:
-        raise RuntimeError('the GCS emulator did not start')
-      time.sleep(0.1)
+  """A local Google Cloud Storage (tests/helpers/gcs_emulator.py), one per test process (fsspec keeps one client per
+  process): yields the environment variables that point the product at it, also set in this process from then
+  on."""
+  from tests.helpers import gcs_emulator
+  server, variables = gcs_emulator.start(tmp_path_factory.mktemp('gcs'))
   saved = {k: os.environ.get(k) for k in variables}
   os.environ.update(variables)
   try:

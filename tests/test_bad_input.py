@@ -17,14 +17,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
-from flax_transformer import checkpointing
+from flax_transformer import checkpointing, corpora, storage
 from flax_transformer.commands import average, export, train, translate
 from flax_transformer.errors import ArgumentError
-from tests.conftest import ROOT, TRAINED_STEPS, free_port, subprocess_env, train_command
+from tests.conftest import TRAINED_FLAGS, TRAINED_STEPS, free_port, subprocess_env, train_command
+from tests.helpers import gcs_emulator
 
 PROGRAMS = {'translate': translate.main, 'train': train.main, 'average': average.main, 'export': export.main}
 
@@ -39,6 +42,7 @@ class Case:
   prepare: Callable | None = None  # (paths) -> None, before the run: damage {C}, write a file...
   stdin: bytes = b''
   after: Callable | None = None  # (paths) -> None: more checks once the case has run
+  patched: tuple = ()  # (object, attribute, value) set for the case alone
 
 
 def _truncate(path, fraction=0.5):
@@ -106,6 +110,51 @@ def _empty_folder(relative):
   return lambda p: os.makedirs(relative.format(**p))
 
 
+def _served(body_seconds: float, status: int = 200, terminate_after: float | None = None):
+  """A URL template on 127.0.0.1 (a server in a daemon thread) whose files come one byte every `body_seconds`
+  (a server that trickles), or whose every answer is `status` (404: nothing there); with `terminate_after`, this
+  process is sent SIGTERM that many seconds into the first download (a user stopping it)."""
+  import http.server
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+      if terminate_after is not None:
+        threading.Timer(terminate_after, os.kill, (os.getpid(), signal.SIGTERM)).start()
+      self.send_response(status)
+      self.send_header('Content-Length', '100000')
+      self.end_headers()
+      try:
+        for _ in range(0 if status != 200 else 100000):
+          self.wfile.write(b'x')
+          self.wfile.flush()
+          time.sleep(body_seconds)
+      except OSError:  # the client gave up
+        pass
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+  server.daemon_threads = True
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  return f'http://127.0.0.1:{server.server_address[1]}/{{name}}'
+
+
+def _dead_pid() -> int:
+  process = subprocess.Popen([sys.executable, '-c', ''])
+  process.wait()
+  return process.pid
+
+
+def _evaluations(*values):
+  """Validation losses at steps 3, 6, 9... in {C}'s metrics (its judged split: the moving average's)."""
+  def prepare(p):
+    with open(f'{p["C"]}/train_metrics.jsonl', 'a') as f:
+      for i, value in enumerate(values):
+        f.write(json.dumps({'step': 3 * (i + 1), 'split': 'eval_ema', 'loss': value}) + '\n')
+  return prepare
+
+
 TRAIN = ('train',) + tuple(train_command('{T}/run', '{corpus}')[2:])  # the suite's tiny training command
 
 
@@ -171,6 +220,15 @@ CASES = [
          'error: {C} has another vocabulary than {W} (', prepare=lambda p: _other_vocabulary(p['C'])),
     Case('translate_an_ensemble_with_alignments', ('translate', '--workdir={W},{W}', '--input={T}/in.txt',
          '--alignment'), 1, 'error: --alignment reads one model and --workdir={W},{W} names 2; give one workdir'),
+    Case('translate_alpha_nan', ('translate', '--workdir={W}', '--input={T}/in.txt', '--alpha=nan'), 1,
+         'error: --alpha=nan: must be in [0, inf)'),
+    Case('translate_alpha_inf', ('translate', '--workdir={W}', '--input={T}/in.txt', '--length_penalty_alpha=inf'), 1,
+         'error: --length_penalty_alpha=inf: must be in [0, inf)'),
+    Case('translate_alpha_negative_named_as_typed', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                     '--alpha=-1'), 1, 'error: --alpha=-1.0: must be in [0, inf)'),
+    Case('translate_batch_tokens_named_as_typed', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                   '--batch_tokens=0'), 1,
+         'error: --batch_tokens=0: must be a positive integer'),
     Case('average_last_and_best_together', ('average', '--workdir={W}', '--output={T}/avg', '--last=2', '--best=2'),
          1, 'error: --last=2 and --best=2 choose different checkpoints; give one of them'),
     Case('train_best_by_bleu_without_a_bleu_sample', _train('--config.keep_best=2'), 1,
@@ -221,6 +279,39 @@ CASES = [
          'error: --config.init_from={T}/nothing is not a folder; point --config.init_from at a directory written'),
     Case('train_fine_tuning_into_its_source', _train('--config.init_from={C}', workdir='{C}'), 1,
          'error: --workdir={C} is the run of --config.init_from {C}', unchanged=('{C}',)),
+    Case('train_token_cache_is_a_file', _train('--config.token_cache={T}/in.txt'), 1,
+         'error: config.token_cache={T}/in.txt is a file; give a folder for the token caches',
+         unchanged=('{T}/in.txt',), after=lambda p: not os.path.exists(f'{p["T"]}/run') or pytest.fail('a workdir')),
+    Case('train_resumed_with_another_seed', _train(*TRAINED_FLAGS, '--config.seed=7', workdir='{C}'), 1,
+         f'error: workdir {{C}} holds a run trained with config.seed=0 (checkpoint {TRAINED_STEPS}) but this config '
+         'has 7; a resumed run keeps its seed', unchanged=('{C}',)),
+    Case('train_a_finished_run_with_fewer_steps', _train(*TRAINED_FLAGS, '--config.num_train_steps=9', workdir='{C}'),
+         0, f'warning: the run in {{C}} ended at step {TRAINED_STEPS} (config.num_train_steps=9); nothing was trained: '
+         f'to train on, raise --config.num_train_steps above {TRAINED_STEPS}',
+         unchanged=('{C}/checkpoints', '{C}/train_metrics.jsonl')),
+    Case('train_a_run_that_stopped_early_again', _train(*TRAINED_FLAGS, '--config.num_train_steps=30',
+                                                       '--config.early_stopping_evaluations=2',
+                                                       '--config.best_metric=loss', workdir='{C}'),
+         0, f'warning: the run in {{C}} stopped early at step {TRAINED_STEPS}: validation loss has not improved for 3 '
+         'evaluations (best at step 3); nothing was trained: to train on, raise --config.early_stopping_evaluations '
+         'above 3', unchanged=('{C}/checkpoints', '{C}/train_metrics.jsonl'), prepare=_evaluations(1.0, 1.5, 2.0, 2.5)),
+    Case('train_download_from_a_server_that_trickles', _train(
+        '--config.train_source={T}/dl/train.en.gz', '--config.download_url={url}'), 1,
+         'error: {T}/dl/train.en.gz does not exist and downloading it from http://127.0.0.1:',
+         prepare=lambda p: p.update(url=_served(0.05)), patched=((corpora, 'FILE_SECONDS', 1.5),),
+         after=lambda p: os.listdir(f'{p["T"]}/dl') == [] or pytest.fail('a partial download was left')),
+    Case('train_download_stopped_by_sigterm', _train('--config.train_source={T}/dl/train.en.gz',
+                                                     '--config.download_url={url}'), 1,
+         'error: {T}/dl/train.en.gz does not exist and downloading it from http://127.0.0.1:',
+         prepare=lambda p: p.update(url=_served(0.05, terminate_after=0.5)),
+         after=lambda p: os.listdir(f'{p["T"]}/dl') == [] or pytest.fail('a partial download was left')),
+    Case('train_download_after_one_killed_mid_file', _train('--config.train_source={T}/dl/train.en.gz',
+                                                            '--config.download_url={url}'), 1,
+         'error: {T}/dl/train.en.gz does not exist and downloading it from http://127.0.0.1:',
+         prepare=lambda p: (p.update(url=_served(0, 404)), _write(f'{{T}}/dl/train.en.gz.part.{_dead_pid()}', b'x')(p),
+                            _write('{T}/dl/train.de.gz.part.1', b'x')(p)),
+         after=lambda p: os.listdir(f'{p["T"]}/dl') == ['train.de.gz.part.1'] or pytest.fail(
+             f'abandoned partial files: {os.listdir(p["T"] + "/dl")}')),
     Case('train_data_file_where_training_writes', _train('--config.train_source={C}/config.json', workdir='{C}'), 1,
          'error: {C}/config.json, which training writes, is config.train_source {C}/config.json', unchanged=('{C}',)),
 ]
@@ -257,6 +348,8 @@ def test_bad_input(case, trained_run, averaged, tmp_path, capsys, monkeypatch):
   with open(f'{paths["T"]}/in.txt', 'w') as f:
     f.write('red house\nthe cat sat\na dog\n')
   shutil.copytree(workdir, paths['C'])
+  for owner, attribute, value in case.patched:
+    monkeypatch.setattr(owner, attribute, value)
   if case.prepare:
     case.prepare(paths)
   unchanged = [u.format(**paths) for u in case.unchanged]
@@ -313,6 +406,10 @@ def _translator(workdir):
 
 # --- What only a process shows: several processes, signals, a storage server that stops answering -----------------
 
+FROZEN_TIMEOUT = 20  # storage_timeout_seconds of the runs whose storage stops answering: beyond it, only the
+# shutdown's SHUTDOWN_SECONDS and the time a loaded machine takes to exit; a timeout per closing call would add 20s
+
+
 def _started(command, env=None, **kwargs):
   return subprocess.Popen(command, env=env or subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, **kwargs)
@@ -323,10 +420,11 @@ def _errors(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_what_only_a_process_shows(trained_run, gcs, tmp_path):
-  """Five cases at once (each waits on a timeout or a signal, not the CPU): process 0 of 2 started alone; two
+def test_what_only_a_process_shows(trained_run, tmp_path):
+  """Seven cases at once (each waits on a timeout or a signal, not the CPU): process 0 of 2 started alone; two
   processes of one run with different seeds; a gs:// workdir whose server cannot be reached; a gs:// server that
-  stops answering mid-run; SIGINT pressed twice."""
+  stops answering (SIGSTOP) during a step, during a save and during the evaluation's writes, each run stopping
+  within its storage timeout plus the shutdown's few seconds; SIGINT pressed twice."""
   _, corpus = trained_run
   base = [sys.executable] + train_command('{workdir}', corpus, 30)[1:]
   command = lambda workdir, *extra: [a.format(workdir=workdir) for a in base] + list(extra)
@@ -340,42 +438,79 @@ def test_what_only_a_process_shows(trained_run, gcs, tmp_path):
   closed = free_port()
   unreachable = _started(command('gs://bucket/unreachable'), env=dict(
       subprocess_env(), STORAGE_EMULATOR_HOST=f'http://127.0.0.1:{closed}', TENSORSTORE_GCS_HTTP_URL=f'http://127.0.0.1:{closed}'))
-  proxy_port, freeze = free_port(), tmp_path / 'freeze'
-  emulator_port = gcs['STORAGE_EMULATOR_HOST'].rsplit(':', 1)[1]
-  proxy = subprocess.Popen([sys.executable, os.path.join(ROOT, 'tests', 'helpers', 'freezing_proxy.py'),
-                            str(proxy_port), emulator_port, str(freeze)])
-  proxied = {**gcs, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{proxy_port}',
-             'TENSORSTORE_GCS_HTTP_URL': f'http://127.0.0.1:{proxy_port}'}
-  frozen = _started(command(f'gs://bucket/frozen_{os.getpid()}', '--config.storage_timeout_seconds=5'),
-                    env=dict(subprocess_env(), **proxied))
-  interrupted = _started(command(tmp_path / 'sigint', '--config.num_train_steps=400'))
+  frozen_flags = {  # (the cue to freeze on, flags): what the run writes first after its cue
+      'frozen in a step': ('step 6/', '--config.checkpoint_every_steps=100'),  # step 7's metrics
+      'frozen in a save': ('step 6/', '--config.log_every_steps=100', '--config.checkpoint_every_steps=6'),  # step
+      # 6's checkpoint
+      'frozen in an evaluation': ('eval step 3', '--config.checkpoint_every_steps=100', '--config.log_every_steps=100',
+                                  '--config.eval_every_steps=3', '--config.num_eval_bleu_sentences=4'),  # step 6's
+      # translations
+  }
+  emulators, frozen = {}, {}
   try:
-    cues = ((frozen, 'step 4/', freeze.touch), (interrupted, 'step 5/', lambda: interrupted.send_signal(signal.SIGINT)),
-            (interrupted, 'SIGINT received: the run stops', lambda: interrupted.send_signal(signal.SIGINT)))
-    for process, cue, act in cues:  # each act once its cue is printed
-      for line in process.stdout:
-        if line.startswith(cue):
-          act()
-          break
-    outcomes = {name: (p.wait(timeout=300), *p.communicate()[::-1]) for name, p in (
-        ('alone', alone), ('seed 0', seeds[0]), ('seed 1', seeds[1]), ('unreachable', unreachable),
-        ('frozen', frozen), ('interrupted', interrupted))}
+    for name, (_, *flags) in frozen_flags.items():
+      emulators[name], variables = gcs_emulator.start(tmp_path / name.replace(' ', '_'))
+      frozen[name] = _started(command('gs://bucket/run', f'--config.storage_timeout_seconds={FROZEN_TIMEOUT}', *flags),
+                              env=dict(subprocess_env(), **variables))
+    interrupted = _started(command(tmp_path / 'sigint', '--config.num_train_steps=400'))
+    stopped_at = {}
+    cues = [(frozen[name], frozen_flags[name][0], lambda name=name: (emulators[name].send_signal(signal.SIGSTOP),
+                                                        stopped_at.setdefault(name, time.monotonic())))
+            for name in frozen]
+    cues += [(interrupted, 'step 5/', lambda: interrupted.send_signal(signal.SIGINT)),
+             (interrupted, 'SIGINT received: the run stops', lambda: interrupted.send_signal(signal.SIGINT))]
+    def follow(process, cued):  # each act as soon as its cue is printed, each process read by its own thread
+      for cue, act in cued:
+        for line in process.stdout:
+          if line.startswith(cue):
+            act()
+            break
+    followers = [threading.Thread(target=follow, args=(p, [(c, a) for q, c, a in cues if q is p]))
+                 for p in {id(q): q for q, _, _ in cues}.values()]
+    for thread in followers:
+      thread.start()
+    for thread in followers:
+      thread.join()
+    processes = {'alone': alone, 'seed 0': seeds[0], 'seed 1': seeds[1], 'unreachable': unreachable, **frozen,
+                 'interrupted': interrupted}
+    outcomes, ended_at = {}, {}
+
+    def wait(name, process):
+      outcomes[name] = (process.wait(timeout=300), *process.communicate()[::-1])
+      ended_at[name] = time.monotonic()
+    waiting = [threading.Thread(target=wait, args=item) for item in processes.items()]
+    for thread in waiting:
+      thread.start()
+    for thread in waiting:
+      thread.join()
   finally:
-    for process in (alone, *seeds, unreachable, frozen, interrupted, proxy):
+    for process in (alone, *seeds, unreachable, *frozen.values(), *emulators.values()):
       process.kill()
+    if 'interrupted' in locals():
+      interrupted.kill()
   expected = {
       'alone': 'error: process 0 of 2: process 1 did not join within 5 s (waiting as the coordinator at localhost:',
       'seed 0': 'error: process 1 of 2: config.seed=1 but process 0 has 0 (1 field(s) differ); start every process',
       'seed 1': 'error: process 1 of 2: config.seed=1 but process 0 has 0 (1 field(s) differ); start every process',
       'unreachable': f'error: --workdir=gs://bucket/unreachable: the storage server 127.0.0.1:{closed} cannot be '
                      f'reached (',
-      'frozen': 'did not finish within 5 s: the storage stopped answering',
+      'frozen in a step': 'error: writing the metrics of step 7 to gs://bucket/run did not finish within',
+      'frozen in a save': ('error: saving the checkpoint at step 6 in gs://bucket/run failed (the save did not finish',
+                           # or, where the save's first writes were done before the freeze, the next write's
+                           'error: writing the metrics of step 12 to gs://bucket/run did not finish within'),
+      'frozen in an evaluation': 'error: writing the translations of step 6 to gs://bucket/run/translations did not',
   }
   for name, start in expected.items():
     status, stderr, _ = outcomes[name]
     errors = _errors(stderr)
-    assert status == 1 and len(errors) == 1 and (errors[0].startswith(start) or start in errors[0]), (name, stderr[-2000:])
+    assert status == 1 and len(errors) == 1 and errors[0].startswith(start), (name, stderr[-2000:])  # (a tuple: any)
     assert 'Traceback' not in stderr, (name, stderr[-2000:])
+  for name in frozen:  # the timeout once, then one deadline for everything the run closes: not a timeout per call
+    errors = _errors(outcomes[name][1])
+    assert errors[0].endswith('; the run stopped and no checkpoint was written' + (
+        ' (the save of step 6 did not finish)' if 'metrics of step 12' in errors[0] else '')), errors
+    assert ended_at[name] - stopped_at[name] < FROZEN_TIMEOUT + storage.SHUTDOWN_SECONDS + 15, (
+        name, ended_at[name] - stopped_at[name])
   status, stderr, stdout = outcomes['interrupted']
   assert status == 0 and 'Traceback' not in stderr, stderr[-2000:]
   assert 'SIGINT received again: the run is saving its checkpoint' in stdout, stdout[-2000:]

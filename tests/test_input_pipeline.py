@@ -89,6 +89,15 @@ def test_same_seed_same_batches_other_seed_other_order(files_config, vocab):
   first, again, other = take(1), take(1), take(2)
   assert len(first) == 6 and all(np.array_equal(a, b) for a, b in zip(first, again))
   assert not all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(first, other))
+  # Not only the order of the shapes: within each shape, the rows come in a seed-dependent order too.
+  table = _table(files_config, path)
+  batching = input_pipeline.train_batching(settings.resolve(files_config).data,
+                                           table.histogram(files_config.max_train_length), table.dropped, 1)
+  by_shape = lambda seed: {b['inputs'].shape: b['inputs'] for b in reversed(
+      input_pipeline.epoch_batches(table, batching, seed=seed))}  # each shape's first batch
+  seeded = [by_shape(seed) for seed in (1, 2)]
+  shared = [shape for shape in seeded[0] if shape in seeded[1] and shape[0] > 1]
+  assert shared and all(not np.array_equal(seeded[0][shape], seeded[1][shape]) for shape in shared)
 
 
 def test_wmt14_through_tfds(tiny_config, tmp_path):

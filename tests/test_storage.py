@@ -60,3 +60,36 @@ def test_local_paths_are_absolute_and_urls_kept():
   assert os.fspath(storage.path('gs://bucket/run')) == 'gs://bucket/run'
   with pytest.raises(storage.StorageError, match='an empty path'):
     storage.path('')
+
+
+def test_after_one_call_overran_every_later_call_shares_the_shutdowns_one_deadline(monkeypatch):
+  import threading
+  import time
+  monkeypatch.setattr(storage, 'SHUTDOWN_SECONDS', 0.5)
+  frozen = threading.Event()  # a storage server that never answers (set at the end to let the threads go)
+  with storage.one_shutdown():
+    assert storage.within(5, 'a quick write', lambda: 'written') == 'written'
+    with pytest.raises(storage.StorageError, match=r'^a write did not finish within 0\.2 s: the storage stopped'):
+      storage.within(0.2, 'a write', frozen.wait)
+    started = time.monotonic()
+    for what in ('the look at the checkpoints', 'closing the metrics', 'the lock'):  # each given 100 s on its own
+      with pytest.raises(storage.StorageError, match=f'^{what} did not finish'):
+        storage.within(100, what, frozen.wait)
+    assert time.monotonic() - started < 0.5 + 3  # the three together, not 3 x 100 s
+  frozen.set()
+  with storage.one_shutdown():  # a new program's calls get their own time again
+    assert storage.within(5, 'a quick write', lambda: 'written') == 'written'
+
+
+def test_a_call_that_fails_is_one_line_naming_it_and_its_cause():
+  def full():
+    raise OSError(28, 'No space left on device')
+  with storage.one_shutdown():
+    with pytest.raises(storage.StorageError) as error:
+      storage.within(5, 'writing the metrics of step 7 to /runs/a', full)
+    assert str(error.value) == ('writing the metrics of step 7 to /runs/a failed (OSError: [Errno 28] No space left '
+                                'on device)')
+    with pytest.raises(OSError):  # the caller that reports the error itself gets it as it is
+      storage.within(5, 'the save', full, own_errors=True)
+    with pytest.raises(storage.StorageError, match='^a user error$'):  # a UserError passes as itself
+      storage.within(5, 'x', lambda: (_ for _ in ()).throw(storage.StorageError('a user error')))
