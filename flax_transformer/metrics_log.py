@@ -60,7 +60,7 @@ def read_evaluations(workdir, split: str = 'eval', until: int | None = None) -> 
   path, found = storage.path(workdir) / METRICS_FILENAME, {}
   if not path.exists():
     return found
-  for line in path.read_text().splitlines():
+  for line in storage.whole_lines(path.read_text()).splitlines():  # not a last line cut short
     record = json.loads(line)
     if record.get('split') == split and (until is None or record['step'] <= until):
       found[record['step']] = {k: v for k, v in record.items() if k not in ('step', 'split')}

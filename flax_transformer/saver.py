@@ -51,17 +51,21 @@ class Saver:
                                 f'the run stopped and {intact}')
 
   def _waited(self, what: str, call):
-    """`call()` within what is left of the save's `timeout` (at least a second); its errors as themselves."""
+    """`call()` within what is left of the save's `timeout` (at least a second); its errors as themselves. An
+    overrun is reported against the whole timeout, which the save has used up."""
     left = self.timeout - (time.monotonic() - self.started) if self.started else self.timeout
-    return storage.within(max(left, 1.0), what, call, own_errors=True)
+    try:
+      return storage.within(max(left, 1.0), what, call, own_errors=True)
+    except storage.Overdue:
+      raise storage.overdue(what, self.timeout) from None
 
   def check(self) -> None:
     """Raises for a failed or overdue asynchronous save, at the first step after it failed."""
     if self.step is None:
       return
-    try:
-      self.manager.check_for_errors()
-      in_progress = self.manager.is_saving_in_progress()
+    try:  # Orbax's own look at its save can wait on the thread that writes: bounded as the save is
+      in_progress = self._waited('the save', lambda: self.manager.check_for_errors() or
+                                 self.manager.is_saving_in_progress())
       if time.monotonic() - self.started > self.timeout and in_progress:
         raise storage.overdue('the save', self.timeout)
       if not in_progress:
@@ -74,8 +78,8 @@ class Saver:
     try:
       if self.manager.is_saving_in_progress():
         self._waited('the save', self.manager.wait_until_finished)
-      else:
-        self.manager.wait_until_finished()  # returns at once, raising a failure of the last save
+      else:  # returns at once, raising a failure of the last save
+        self._waited('the save', self.manager.wait_until_finished)
     except Exception as error:
       raise self._failure(self.step, error) from None
     if self.step is not None:

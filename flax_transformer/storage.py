@@ -152,9 +152,13 @@ def check_reachable(location, flag: str, timeout: float = CONNECT_SECONDS) -> No
                                          else '')) from None
 
 
-def overdue(what: str, seconds: float) -> StorageError:
-  return StorageError(f'{what} did not finish within {seconds:g} s: the storage stopped answering (raise '
-                      f'config.storage_timeout_seconds if it is only slow)')
+class Overdue(StorageError):
+  """A storage call that did not finish in its time."""
+
+
+def overdue(what: str, seconds: float) -> Overdue:
+  return Overdue(f'{what} did not finish within {seconds:g} s: the storage stopped answering (raise '
+                 f'config.storage_timeout_seconds if it is only slow)')
 
 
 # Once one storage call has overrun or failed, the program is stopping: every later call together (the look at
@@ -281,6 +285,11 @@ def create_exclusive(location, text: str) -> bool:
   return True
 
 
+def whole_lines(text: str) -> str:
+  """`text` up to its last newline: what a writer cut short mid-line (a full disk, kill -9) leaves is dropped."""
+  return text[:text.rfind('\n') + 1]
+
+
 class AppendedFile:
   """A text file the run appends to (metrics), on any storage: local files are appended to; an object
   store's object, which cannot be appended to, is rewritten whole from a local copy at each `flush`."""
@@ -290,9 +299,12 @@ class AppendedFile:
     if is_url(self.location):
       self._local = tempfile.NamedTemporaryFile('w+', suffix=f'.{self.location.name}', delete=True)
       if self.location.exists():
-        self._local.write(self.location.read_text())
+        self._local.write(whole_lines(self.location.read_text()))
       self._file = self._local
     else:
+      if self.location.exists():  # a line cut short (a full disk, a kill) is dropped, not continued
+        with open(self.location, 'r+b') as f:
+          f.truncate(f.read().rfind(b'\n') + 1)
       self._local, self._file = None, open(self.location, 'a')
 
   def write(self, text: str) -> None:

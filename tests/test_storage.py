@@ -93,3 +93,13 @@ def test_a_call_that_fails_is_one_line_naming_it_and_its_cause():
       storage.within(5, 'the save', full, own_errors=True)
     with pytest.raises(storage.StorageError, match='^a user error$'):  # a UserError passes as itself
       storage.within(5, 'x', lambda: (_ for _ in ()).throw(storage.StorageError('a user error')))
+
+
+def test_a_metrics_line_cut_short_is_dropped_not_continued(root):
+  from flax_transformer import metrics_log
+  storage.write_atomic(f'{root}/train_metrics.jsonl', '{"step": 3, "split": "eval", "loss": 1.5}\n{"step": 4, "spl')
+  assert metrics_log.read_evaluations(root) == {3: {'loss': 1.5}}  # a resumed run reads what was whole
+  appended = storage.AppendedFile(f'{root}/train_metrics.jsonl')
+  appended.write('{"step": 5, "split": "eval", "loss": 1.25}\n')
+  appended.close()
+  assert metrics_log.read_evaluations(root) == {3: {'loss': 1.5}, 5: {'loss': 1.25}}
