@@ -72,7 +72,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
 def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:
   """The loop: a step, then every hook due after it, in the list's order; returns the last step."""
   loop, step, pending, end, compiled = run.settings.loop, run.start_step, [], None, set()
-  ended = finished(run, next(hook for hook in ordered if isinstance(hook, validation.EarlyStopping)))
+  ended = finished(run, next((h for h in ordered if isinstance(h, validation.EarlyStopping)), None))
   if ended and run.is_chief:
     print(f'warning: {ended}', file=sys.stderr, flush=True)
   while step < loop.num_train_steps and not ended:
@@ -97,14 +97,14 @@ def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:
   return step
 
 
-def finished(run: startup.Run, early_stopping: validation.EarlyStopping) -> str:
+def finished(run: startup.Run, early_stopping: validation.EarlyStopping | None) -> str:
   """Why the run resumed at `run.start_step` has ended already (its steps are reached, or it stopped early), with
   what to change to train on; '' if it has not."""
   loop, step = run.settings.loop, run.start_step
   if step and step >= loop.num_train_steps:
     return (f'the run in {run.workdir} ended at step {step} (config.num_train_steps={loop.num_train_steps}); nothing '
             f'was trained: to train on, raise --config.num_train_steps above {step}')
-  if step and early_stopping.patience and early_stopping.since >= early_stopping.patience:
+  if step and early_stopping and early_stopping.patience and early_stopping.since >= early_stopping.patience:
     return (f'the run in {run.workdir} stopped early at step {step}: validation {early_stopping.metric} has not '
             f'improved for {early_stopping.since} evaluations (best at step {early_stopping.best_step}); nothing was '
             f'trained: to train on, raise --config.early_stopping_evaluations above {early_stopping.since} (0: never '
