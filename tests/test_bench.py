@@ -1,8 +1,10 @@
-"""The prepared accelerator benchmark runs end to end (tiny sizes on the CPU) and ends with one JSON line."""
+"""The benchmarks that tests run end to end at tiny sizes on the CPU: the prepared accelerator benchmark (one JSON
+line at the end) and the fault soak."""
 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -26,3 +28,18 @@ def test_gpu_benchmark_smoke_run():
     assert run['step_seconds'] > 0 and run['planned_step_seconds'] > 0
     assert run['device_bytes'] > 0 and run['planned_bytes'] > 0
   assert any('beam4_sentences_per_second' in run for run in summary['runs'])
+
+
+@pytest.mark.slow
+def test_fault_soak_smoke_run(tmp_path):
+  """bench/soak.py end to end on its cheapest run: one fault (kill -9 or SIGTERM) of a local one-process run,
+  restarted, every logged loss equal to the uninterrupted run's."""
+  if not os.path.isdir(os.path.join(os.path.dirname(ROOT), 'shared', 'data', 'multi30k')):
+    pytest.skip('the soak trains on ../shared/data/multi30k, which is not beside this repository')
+  result = subprocess.run([sys.executable, 'bench/soak.py', '--faults=1', '--steps=100', '--scenarios=local',
+                           f'--work={tmp_path}'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+  assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+  row = next(line for line in result.stdout.splitlines() if line.startswith('| local |'))
+  cells = [cell.strip() for cell in row.split('|')[1:-1]]
+  assert cells[4] == '100 / 100' and cells[5] == 'yes' and cells[6:] == ['0', '0', '0'], row
