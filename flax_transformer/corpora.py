@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+from flax_transformer import run_lock
 from flax_transformer.errors import UserError
 
 MULTI30K_COMMIT = 'a3d2e0d26b56f3846f66a952536ffed4e401d05a'
@@ -107,19 +108,9 @@ def remove_abandoned(path: str) -> None:
   """Removes the partial downloads of `path` (`path`.part.PID) whose process is gone (killed mid-download)."""
   for partial in glob.glob(glob.escape(path) + '.part.*'):
     pid = partial.rsplit('.', 1)[1]
-    if pid.isdigit() and not _alive(int(pid)):
+    if pid.isdigit() and not run_lock.process_alive(int(pid)):
       with contextlib.suppress(FileNotFoundError):
         os.remove(partial)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  return True
 
 
 @contextlib.contextmanager

@@ -21,7 +21,8 @@ LOCK_FILENAME = 'run.lock'
 REFRESH_SECONDS = 30  # how often a live run rewrites its lock
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+  """Whether process `pid` of this host is running."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -72,7 +73,7 @@ class RunLock:
       if held is None:
         continue
       age = time.time() - held['refreshed']
-      if held['host'] == self.record['host'] and held['pid'] > 0 and not _process_alive(held['pid']):
+      if held['host'] == self.record['host'] and held['pid'] > 0 and not process_alive(held['pid']):
         self._take_over(held, 'is no longer running')
       elif age > self.stale_seconds:
         self._take_over(held, f'has not refreshed it for {age:.0f} s')
