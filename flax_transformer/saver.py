@@ -75,11 +75,8 @@ class Saver:
 
   def finish(self) -> None:
     """Waits for the save in flight (within its timeout); raises if it failed."""
-    try:
-      if self.manager.is_saving_in_progress():
-        self._waited('the save', self.manager.wait_until_finished)
-      else:  # returns at once, raising a failure of the last save
-        self._waited('the save', self.manager.wait_until_finished)
+    try:  # returns at once when none is in flight, raising a failure of the last save
+      self._waited('the save', self.manager.wait_until_finished)
     except Exception as error:
       raise self._failure(self.step, error) from None
     if self.step is not None:
