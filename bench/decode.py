@@ -40,6 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.synthetic import cpu_model  # noqa: E402
 from bench.train_step import matmul_peak  # noqa: E402
 from configs import base  # noqa: E402
 from flax_transformer import search, settings  # noqa: E402
@@ -53,8 +54,8 @@ TOP_K = settings.resolve(base.get_config()).decode.beam_top_k  # the beam's top-
 
 
 def no_eos(tokens_to_logits):
-  def wrapped(ids, cache):
-    logits, cache = tokens_to_logits(ids, cache)
+  def wrapped(ids, steps, cache):
+    logits, cache = tokens_to_logits(ids, steps, cache)
     return logits.at[:, EOS_ID].set(-1e9), cache
   return wrapped
 
@@ -63,9 +64,9 @@ def cached(params, inputs, model, beam_size, output_length=OUTPUT_LENGTH, cache_
   """Our decoder: KV cache, encoder keys/values once per sentence; exactly `output_length` tokens, from a cache
   of `cache_length` positions (default: output_length), as translation sizes it for input + 50."""
   cache_length = cache_length or output_length
-  encoded = model.apply({'params': params}, inputs, method=model.encode)
-  cache = model.apply({'params': params}, encoded, beam_size, cache_length, method=model.init_cache)
-  step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
+  memory = model.apply({'params': params}, inputs, method=model.memory)
+  cache = model.apply({'params': params}, memory, beam_size, cache_length, method=model.init_cache)
+  step = lambda ids, steps, c: model.apply({'params': params}, ids, c, steps, method=model.decode_step)
   lengths = jnp.full((inputs.shape[0],), output_length)
   if beam_size == 1:
     return search.greedy_search(no_eos(step), cache, inputs.shape[0], lengths, cache_length, beam_top_k=TOP_K)[0]
@@ -79,13 +80,13 @@ def uncached(params, inputs, model, beam_size):
   encoded_n = jnp.repeat(encoded, beam_size, axis=0)
   inputs_n = jnp.repeat(inputs, beam_size, axis=0)
 
-  def step(ids, c):
-    prefix = jax.lax.dynamic_update_slice(c['prefix'], ids, (0, c['step']))  # [bn, L]: previous tokens so far
+  def step(ids, steps, c):  # every sentence at the same step: the first one's
+    prefix = jax.lax.dynamic_update_slice(c['prefix'], ids, (0, steps[0]))  # [bn, L]: previous tokens so far
     logits = model.apply({'params': params}, encoded_n, inputs_n, jnp.roll(prefix, -1, axis=1),
                          method=model.decode)  # targets shifted back so decoder input == prefix
-    return jnp.take(logits, c['step'], axis=1), {'prefix': prefix, 'step': c['step'] + 1}
+    return jnp.take(logits, steps[0], axis=1), {'prefix': prefix}
 
-  cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, OUTPUT_LENGTH), jnp.int32), 'step': jnp.array(0)}
+  cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, OUTPUT_LENGTH), jnp.int32)}
   lengths = jnp.full((inputs.shape[0],), OUTPUT_LENGTH)
   return search.beam_search(no_eos(step), cache, inputs.shape[0], lengths, OUTPUT_LENGTH, beam_size,
                             beam_top_k=TOP_K)[0]
@@ -193,7 +194,7 @@ def against(revision: str, rounds: int):
   inputs = jnp.asarray(rng.integers(3, CONFIG.vocab_size, (BATCH, SOURCE_LENGTH)), jnp.int32)
   params = nn.meta.unbox(model.init(jax.random.key(0), inputs[:1], inputs[:1])['params'])
 
-  def old_cached(params, inputs, reorder):
+  def old_cached(params, inputs, reorder):  # REV's decoding API, before the slot engine
     encoded = old.apply({'params': params}, inputs, method=old.encode)
     cache = old.apply({'params': params}, encoded, 4, OUTPUT_LENGTH, method=old.init_cache)
     step = lambda ids, c: old.apply({'params': params}, ids, inputs, c, method=old.decode_step)
@@ -220,8 +221,8 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   """A trained model on real sentences (EOS ends each), beam 4 and greedy: ours through the Translator vs
   CTranslate2 float32 on the exported model, alternating; BLEU against `references_path`; the decoding
   program's peak memory (XLA's buffer assignment, largest batch)."""
-  from flax_transformer import evaluation, parallel_text, search
-  from flax_transformer.sentences import encode_sentences, translation_batches
+  from flax_transformer import engine, evaluation, parallel_text, search
+  from flax_transformer.sentences import encode_sentences
   from flax_transformer.translator import Translator
   sentences = parallel_text.read_lines(sentences_path)
   references = parallel_text.read_lines(references_path) if references_path else None
@@ -255,8 +256,9 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
       start = time.perf_counter()
       fn()
       seconds[name].append(time.perf_counter() - start)
-  print(f'{len(sentences)} sentences of {sentences_path}, {rounds} alternating rounds, '
-        f'{translator.eval_tokens_per_batch} source tokens a batch\n')
+  print(f'{len(sentences)} sentences of {sentences_path}, {rounds} alternating rounds; ours through '
+        f'{translator.decoding.decode_slots} slots, CTranslate2 in batches of {translator.eval_tokens_per_batch} '
+        f'source tokens; {cpu_model()}, {len(os.sched_getaffinity(0))} cores\n')
   print('| decoder | sentences/s (median) | output tokens | BLEU |\n|---|---|---|---|')
   for name in runs:
     words = sum(len(translator.processor.encode(t)) for t in outputs[name])
@@ -270,28 +272,35 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
       agree = np.mean([a == b for a, b in zip(outputs[name], outputs[theirs[0]])])
       print(f'| {name} / CTranslate2, per round (min-median-max) | {ratios[0]:.2f}-{statistics.median(ratios):.2f}-'
             f'{ratios[-1]:.2f}x | same output for {agree:.0%} | |')
-  batches = translation_batches(encode_sentences(translator.processor, sentences), translator.max_source_tokens,
-                                translator.eval_tokens_per_batch)
-  for beam in (4, 1):
-    peak = 0
-    for _, inputs in batches:
-      length = search.decode_length(inputs.shape[1], translator.max_extra_length, translator.max_positions)
-      program = search.jitted_translate(translator.model, beam, translator.length_penalty_alpha,
-                                        translator.max_extra_length, length, translator.beam_top_k)
-      memory = program.lower(translator.params, inputs).compile().memory_analysis()
-      peak = max(peak, memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes)
-    print(f'\npeak memory of one {"beam-4" if beam > 1 else "greedy"} batch (XLA buffers, largest of '
-          f'{len(batches)} batches): {peak / 2**20:,.0f} MiB')
+  encoded = encode_sentences(translator.processor, sentences)
+  for name, model in (('beam 4', translator), ("beam 4, beam_stop='beam_ended'", beam_ended), ('greedy', translator)):
+    beam = 1 if name == 'greedy' else 4
+    strategy = search.strategy_for(beam, model.length_penalty_alpha, model.beam_top_k, None, model.beam_stop)
+    shape = engine.Engine(model.model, model.params, strategy, slots=model.decoding.decode_slots,
+                          max_extra_length=model.max_extra_length, max_positions=model.max_positions).shape(encoded)
+    state = shape.programs.empty(model.params)
+    inputs, rows = np.zeros((shape.admit_rows, shape.source_length), np.int32), np.zeros((shape.admit_rows,), np.int32)
+    start = time.perf_counter()
+    for program, args in ((shape.programs.empty, (model.params,)), (shape.programs.admit, (model.params, state, inputs, rows)),
+                          (shape.programs.generate, (model.params, state, np.int32(1)))):
+      compiled = program.lower(*args).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()  # generate's: the decoding program
+    peak = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+    print(f'\n{name}: {shape.slots} slots, sources padded to {shape.source_length}, outputs up to '
+          f'{shape.max_output_length}; its 3 programs compiled in {seconds:.1f} s (a cold compilation cache: '
+          f'JAX_COMPILATION_CACHE_DIR unset); peak memory of the decoding program (XLA buffers): {peak / 2**20:,.0f} MiB')
 
 
 def per_step(workdir: str, rounds: int):
   """Milliseconds a beam-4 step of the trained model at each batch size, ours against CTranslate2 float32 on
   the exported model, with the same forced length (what the real-sentence table's batches run through as
   their sentences finish)."""
+  from flax_transformer import engine
   from flax_transformer.translator import Translator
   translator = Translator.from_workdir(workdir, beam_size=4)
   model, params, source_length = translator.model, translator.params, 14
-  cache_length = search.decode_length(source_length, translator.max_extra_length, translator.max_positions)
+  cache_length = engine.decode_length(source_length, translator.max_extra_length, translator.max_positions)
   program = jax.jit(functools.partial(cached, model=model, beam_size=4, cache_length=cache_length))
   processor = translator.processor
   pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]

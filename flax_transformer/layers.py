@@ -97,7 +97,7 @@ class PositionalEncoding(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
-    """x [b, l, e]; `offset` is the first position (the decode step when decoding one token at a time)."""
+    """x [b, l, e]; `offset` is the first position, or [b] each row's (the decode steps, one token at a time)."""
     length = x.shape[1]
     if self.learned:
       table = self.param('position_embedding',
@@ -105,6 +105,8 @@ class PositionalEncoding(nn.Module):
                          (self.max_positions, self.d_model), jnp.float32)
     else:
       table = jnp.asarray(sinusoidal_positions(self.max_positions, self.d_model))  # [max_positions, e]
+    if jnp.ndim(offset):  # one token a row, each at its own position
+      return x + jnp.take(table, jnp.minimum(offset, self.max_positions - 1), axis=0)[:, None].astype(x.dtype)
     positions = jax.lax.dynamic_slice_in_dim(table, offset, length, axis=0)  # [l, e]
     return x + positions[None].astype(x.dtype)  # [b, l, e]
 
@@ -116,13 +118,6 @@ def key_lengths(key_ids: jax.Array) -> jax.Array:
   kernel sees an empty row, and its output is discarded anyway (its targets carry no weight).
   """
   return jnp.maximum(jnp.sum(key_ids > 0, axis=-1), 1).astype(jnp.int32)
-
-
-def padding_bias(key_ids: jax.Array) -> jax.Array:
-  """Right-padded key_ids [b, k] -> additive bias [b, 1, 1, k] hiding the padding (as `key_lengths` does)."""
-  positions = jnp.arange(key_ids.shape[-1])  # [k]
-  visible = positions[None, :] < key_lengths(key_ids)[:, None]  # [b, k]
-  return jnp.where(visible, 0.0, ATTENTION_MASK_VALUE)[:, None, None, :].astype(jnp.float32)
 
 
 def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None, causal: bool) -> jax.Array:
@@ -138,16 +133,16 @@ def attention_bias(query_length: int, key_length: int, lengths: jax.Array | None
 
 
 def ancestry_bias(ancestry: jax.Array, step: jax.Array, first_step: jax.Array | int = 0) -> jax.Array:
-  """The additive bias [b, 1, n, C·n] of the flat self-attention cache (CACHED_SELF) at `step`, over the C steps
-  of `ancestry` from `first_step` on: hypothesis j sees slot s·n + i (what hypothesis i wrote at step s) iff
-  s ≤ step and its ancestor at step s was i.
+  """The additive bias [b, 1, n, C·n] of the flat self-attention cache (CACHED_SELF) at `step` (each row's, [b]),
+  over the C steps of `ancestry` from `first_step` on: hypothesis j sees slot s·n + i (what hypothesis i wrote
+  at step s) iff s ≤ step and its ancestor at step s was i.
 
   ancestry [b, n, C] int32: ancestry[:, j, s - first_step] is the beam index of hypothesis j's ancestor at step s
   (its own index at `step`). The beam search reorders this table, never the cache (Lingvo's flat beam search).
   """
   batch, n, length = ancestry.shape
   steps = first_step + jnp.arange(length)  # [C]
-  visible = (ancestry[..., None] == jnp.arange(n)) & (steps[:, None] <= step)  # [b, n, C, n]
+  visible = (ancestry[..., None] == jnp.arange(n)) & (steps[:, None] <= jnp.reshape(step, (-1, 1, 1, 1)))  # [b, n, C, n]
   return jnp.where(visible, 0.0, ATTENTION_MASK_VALUE).astype(jnp.float32).reshape(batch, 1, n, length * n)
 
 
@@ -166,9 +161,9 @@ def flat_cache_attention(query, key, value, ancestry, step):
   reading only the chunks written so far: softmax over the visible slots (ancestry_bias), accumulated chunk by
   chunk as running maxima and sums (online softmax), in a loop of step // C + 1 trips.
 
-  query [b, n, h, d]; key [L/C, b, h, d, C·n]; value [L/C, b, h, C·n, d]; ancestry [b, n, L] int32 -> context
-  [b, h, n, d] float32. Every chunk read holds a visible slot for every hypothesis (one per step up to `step`),
-  so the running maxima are finite after the first.
+  query [b, n, h, d]; key [L/C, b, h, d, C·n]; value [L/C, b, h, C·n, d]; ancestry [b, n, L] int32; step [b]
+  -> context [b, h, n, d] float32. The loop reads the chunks of the furthest row; the first chunk holds a
+  visible slot for every hypothesis (step 0), so the running maxima are finite from it on.
   """
   batch, n, heads, d = query.shape
   chunk_steps = key.shape[-1] // n
@@ -189,7 +184,7 @@ def flat_cache_attention(query, key, value, ancestry, step):
 
   start = (jnp.full((batch, heads, n), -jnp.inf, jnp.float32), jnp.zeros((batch, heads, n), jnp.float32),
            jnp.zeros((batch, heads, n, d), jnp.float32))
-  _, total, context = jax.lax.fori_loop(0, step // chunk_steps + 1, chunk, start)
+  _, total, context = jax.lax.fori_loop(0, jnp.max(step) // chunk_steps + 1, chunk, start)
   return context / total[..., None]  # [b, h, n, d]
 
 
@@ -365,52 +360,52 @@ class MultiHeadAttention(nn.Module):
     self.sow('intermediates', 'attention_weights', weights)  # [b, h, q, k]
     return self._output(context)
 
-  def init_cache(self, batch_size: int, max_output_length: int, memory: jax.Array | None = None,
-                 beam_size: int = 1) -> dict:
-    """The decoding cache of `batch_size` sentences: CACHED_SELF, zeros for max_output_length steps (rounded up
-    to whole chunks, cache_steps) of `beam_size` hypotheses each, in chunks of C steps (chunked_cache: keys
-    [L/C, b, h, d, C·n], values [L/C, b, h, C·n, d]); CACHED_CROSS, memory [b, s, e]
-    projected (keys [b, h, d, s], values [b, h, s, d])."""
-    h, d = self.num_heads, self.d_model // self.num_heads
-    if self.self_attention:
-      chunks, width = cache_steps(max_output_length) // CACHE_CHUNK_STEPS, CACHE_CHUNK_STEPS * beam_size
-      return {'key': jnp.zeros((chunks, batch_size, h, d, width), self.dtype),
-              'value': jnp.zeros((chunks, batch_size, h, width, d), self.dtype)}
+  def memory(self, memory: jax.Array) -> dict:
+    """Encoder-decoder attention's cache of one sentence per row (CACHED_CROSS): memory [b, s, e] projected
+    once, keys [b, h, d, s], values [b, h, s, d]."""
     key, value = self._project(memory, 'kv')  # each [b, s, h, d]
     return {'key': jnp.transpose(key, (0, 2, 3, 1)), 'value': jnp.transpose(value, (0, 2, 1, 3))}
 
-  def decode_step(self, x, cache, step, context):
-    """x [b·n, 1, e] (n hypotheses a sentence) at position `step` -> ([b·n, 1, e], cache). `context`: for
-    self-attention the ancestry table [b, n, L] (layers.ancestry_bias; this step's keys and values are written
-    in place first, at slots step·n … step·n + n - 1, and read through flat_cache_attention); for
-    encoder-decoder attention the padding_bias [b, 1, 1, s]. The written-out core: one query per hypothesis
-    leaves a fused kernel no tile to save. With mutable=['intermediates'] the weights are sown, [bn, h, 1, k]
-    (self-attention: per step, over the whole cache in one softmax)."""
+  def init_cache(self, slots: int, max_output_length: int, beam_size: int = 1) -> dict:
+    """Self-attention's cache of `slots` sentences (CACHED_SELF): zeros for max_output_length steps (rounded up
+    to whole chunks, cache_steps) of `beam_size` hypotheses each, in chunks of C steps (chunked_cache: keys
+    [L/C, S, h, d, C·n], values [L/C, S, h, C·n, d])."""
+    h, d = self.num_heads, self.d_model // self.num_heads
+    chunks, width = cache_steps(max_output_length) // CACHE_CHUNK_STEPS, CACHE_CHUNK_STEPS * beam_size
+    return {'key': jnp.zeros((chunks, slots, h, d, width), self.dtype),
+            'value': jnp.zeros((chunks, slots, h, width, d), self.dtype)}
+
+  def decode_step(self, x, cache, steps, context):
+    """x [S·n, 1, e] (n hypotheses a slot), each slot at its own position `steps` [S] -> ([S·n, 1, e], cache).
+    `context`: for self-attention the ancestry table [S, n, L] (layers.ancestry_bias; this step's keys and
+    values are written in place first, each slot's at its slots step·n … step·n + n - 1, and read through
+    flat_cache_attention); for encoder-decoder attention the padding_bias [S, 1, 1, s]. The written-out core:
+    one query per hypothesis leaves a fused kernel no tile to save. With mutable=['intermediates'] the weights
+    are sown, [Sn, h, 1, k] (self-attention: per step, over the whole cache in one softmax)."""
     h, d = self.num_heads, self.d_model // self.num_heads
     if not self.self_attention:
-      batch = cache['key'].shape[0]
-      query = self._project(x[:, 0], 'q').reshape(batch, -1, h, d)  # [b, n, h, d]
+      slots = cache['key'].shape[0]
+      query = self._project(x[:, 0], 'q').reshape(slots, -1, h, d)  # [S, n, h, d]
       context, weights = scaled_dot_product_attention(query, cache['key'], cache['value'], context,
-                                                      layout=CACHED_CROSS)  # [b, h, n, d], [b, h, n, s]
+                                                      layout=CACHED_CROSS)  # [S, h, n, d], [S, h, n, s]
       self.sow('intermediates', 'attention_weights',
-               jnp.swapaxes(weights, 1, 2).reshape(-1, h, 1, weights.shape[-1]))  # [bn, h, 1, s]
-      return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [bn, 1, e]
-    batch = cache['key'].shape[1]
-    query, key, value = (y.reshape(batch, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [b, n, h, d]
+               jnp.swapaxes(weights, 1, 2).reshape(-1, h, 1, weights.shape[-1]))  # [Sn, h, 1, s]
+      return self._output(jnp.swapaxes(context, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [Sn, 1, e]
+    slots = cache['key'].shape[1]
+    query, key, value = (y.reshape(slots, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [S, n, h, d]
     n, ancestry = query.shape[1], context
-    chunk, offset = step // CACHE_CHUNK_STEPS, step % CACHE_CHUNK_STEPS * n  # this step's slots
-    cache = {'key': jax.lax.dynamic_update_slice(cache['key'], key.transpose(0, 2, 3, 1)[None],
-                                                 (chunk, 0, 0, 0, offset)),  # [L/C, b, h, d, C·n]
-             'value': jax.lax.dynamic_update_slice(cache['value'], value.transpose(0, 2, 1, 3)[None],
-                                                   (chunk, 0, 0, offset, 0))}  # [L/C, b, h, C·n, d]
+    chunk, columns = steps // CACHE_CHUNK_STEPS, steps[:, None] % CACHE_CHUNK_STEPS * n + jnp.arange(n)  # [S], [S, n]
+    rows = jnp.arange(slots)[:, None]  # [S, 1]: each slot writes its own step's n columns
+    cache = {'key': cache['key'].at[chunk[:, None], rows, :, :, columns].set(key),  # [L/C, S, h, d, C·n]
+             'value': cache['value'].at[chunk[:, None], rows, :, columns, :].set(value)}  # [L/C, S, h, C·n, d]
     if self.is_mutable_collection('intermediates'):
       attended, weights = scaled_dot_product_attention(query, *whole_cache(cache['key'], cache['value']),
-                                                       ancestry_bias(ancestry, step), layout=CACHED_SELF)
-      weights = weights.reshape(*weights.shape[:3], -1, n).sum(-1)  # [b, h, n, L]: one visible slot a step
+                                                       ancestry_bias(ancestry, steps), layout=CACHED_SELF)
+      weights = weights.reshape(*weights.shape[:3], -1, n).sum(-1)  # [S, h, n, L]: one visible slot a step
       self.sow('intermediates', 'attention_weights', jnp.swapaxes(weights, 1, 2).reshape(-1, h, 1, weights.shape[-1]))
     else:
-      attended = flat_cache_attention(query, cache['key'], cache['value'], ancestry, step).astype(query.dtype)
-    return self._output(jnp.swapaxes(attended, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [bn, 1, e]
+      attended = flat_cache_attention(query, cache['key'], cache['value'], ancestry, steps).astype(query.dtype)
+    return self._output(jnp.swapaxes(attended, 1, 2).reshape(x.shape[0], 1, h, d)), cache  # [Sn, 1, e]
 
 
 class PositionwiseFeedForward(nn.Module):

@@ -2,7 +2,7 @@
 
 `Transformer(config).apply({'params': p}, inputs, targets)` returns logits whose position t
 predicts `targets[:, t]`: the model shifts the targets right itself, with id 0 (the padding id)
-as the start symbol. Incremental decoding: `init_cache` then `decode_step` (see decode.py).
+as the start symbol. Incremental decoding: `memory`, `init_cache` and `insert`, then `decode_step` (see engine.py).
 """
 
 import dataclasses
@@ -129,23 +129,26 @@ class DecoderLayer(nn.Module):
         y, lambda z: self.cross_attention(z, memory_lengths, memory, deterministic=deterministic), deterministic)
     return self.feed_forward_sublayer(y, self.feed_forward, deterministic), None
 
-  def init_cache(self, memory, beam_size, max_output_length):
-    """memory [b, s, e] -> this layer's cache (layout: Transformer.init_cache)."""
-    batch = memory.shape[0]
-    return {'self': self.self_attention.init_cache(batch, max_output_length, beam_size=beam_size),
-            'cross': self.cross_attention.init_cache(batch, max_output_length, memory)}
+  def memory(self, memory):
+    """memory [b, s, e] -> this layer's encoder-decoder attention cache (Transformer.memory)."""
+    return self.cross_attention.memory(memory)
 
-  def decode_step(self, y, cache, step, ancestry, memory_bias):
-    """y [b·n, 1, e], ancestry [b, n, L] (layers.ancestry_bias), memory_bias [b, 1, 1, s] -> ([b·n, 1, e],
-    updated cache)."""
+  def init_cache(self, cross, beam_size, max_output_length):
+    """This layer's cache of slots holding `cross` (its memory) (layout: Transformer.init_cache)."""
+    slots = cross['key'].shape[0]
+    return {'self': self.self_attention.init_cache(slots, max_output_length, beam_size=beam_size), 'cross': cross}
+
+  def decode_step(self, y, cache, steps, ancestry, memory_bias):
+    """y [S·n, 1, e], steps [S], ancestry [S, n, L] (layers.ancestry_bias), memory_bias [S, 1, 1, s] ->
+    ([S·n, 1, e], updated cache)."""
     new_cache = {}
 
     def self_attention(z):
-      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], step, ancestry)
+      out, new_cache['self'] = self.self_attention.decode_step(z, cache['self'], steps, ancestry)
       return out
 
     def cross_attention(z):
-      out, new_cache['cross'] = self.cross_attention.decode_step(z, cache['cross'], step, memory_bias)
+      out, new_cache['cross'] = self.cross_attention.decode_step(z, cache['cross'], steps, memory_bias)
       return out
 
     y = self.self_attention_sublayer(y, self_attention, True)
@@ -182,7 +185,7 @@ class DecoderStack(nn.Module):
     c = self.config
     self.stack = _scanned(DecoderLayer, c, (nn.broadcast,) * 3, c.num_decoder_layers)(c)
     self.layers = [nn.map_variables(DecoderLayer, 'params', trans_in_fn=functools.partial(_layer_slice, i),
-                                    methods=['init_cache', 'decode_step'])(c)
+                                    methods=['memory', 'init_cache', 'decode_step'])(c)
                    for i in range(c.num_decoder_layers)]
     for view in (self.stack, *self.layers):
       nn.share_scope(self, view)
@@ -191,15 +194,19 @@ class DecoderStack(nn.Module):
     """Teacher-forced: y [b, t, e], memory [b, s, e], memory_lengths [b] -> [b, t, e]."""
     return self.stack(y, memory, memory_lengths, deterministic)[0]
 
-  def init_cache(self, memory, beam_size, max_output_length):
-    """memory [b, s, e] -> one cache per layer (layout: Transformer.init_cache)."""
-    return tuple(layer.init_cache(memory, beam_size, max_output_length) for layer in self.layers)
+  def memory(self, memory):
+    """memory [b, s, e] -> each layer's encoder-decoder attention cache."""
+    return tuple(layer.memory(memory) for layer in self.layers)
 
-  def decode_step(self, y, caches, step, ancestry, memory_bias):
-    """y [b·n, 1, e], caches from init_cache -> ([b·n, 1, e], updated caches)."""
+  def init_cache(self, crosses, beam_size, max_output_length):
+    """Each layer's memory (from `memory`) -> one cache per layer (layout: Transformer.init_cache)."""
+    return tuple(layer.init_cache(cross, beam_size, max_output_length) for layer, cross in zip(self.layers, crosses))
+
+  def decode_step(self, y, caches, steps, ancestry, memory_bias):
+    """y [S·n, 1, e], caches from init_cache, steps [S] -> ([S·n, 1, e], updated caches)."""
     new_caches = []
     for layer, cache in zip(self.layers, caches):
-      y, cache = layer.decode_step(y, cache, step, ancestry, memory_bias)
+      y, cache = layer.decode_step(y, cache, steps, ancestry, memory_bias)
       new_caches.append(cache)
     return y, tuple(new_caches)
 
@@ -280,48 +287,58 @@ class Transformer(nn.Module):
 
   # --- Incremental decoding ------------------------------------------------------------
 
-  def init_cache(self, encoded: jax.Array, beam_size: int, max_output_length: int) -> dict:
-    """The decoding cache for `max_output_length` steps of `beam_size` hypotheses per sentence.
+  def memory(self, inputs: jax.Array) -> dict:
+    """What a decoding slot keeps of its sentence: inputs [b, s] int32 (0 = padding) encoded and projected to
+    each decoder layer's encoder-decoder keys and values, once per sentence: {'lengths': [b] real source tokens
+    (layers.key_lengths), 'layers': one {'key' [b, h, d, s], 'value' [b, h, s, d]} per decoder layer}."""
+    return {'lengths': layers.key_lengths(inputs), 'layers': self.decoder.memory(self.encode(inputs))}
 
-    encoded [b, s, e]: its encoder-decoder keys/values are projected here, once per sentence.
+  def init_cache(self, memory: dict, beam_size: int, max_output_length: int) -> dict:
+    """The decoding cache of S slots, each one sentence (of `memory`, [S, ...]) decoded with `beam_size`
+    hypotheses for up to `max_output_length` steps, each slot at its own step.
+
     L is max_output_length rounded up to whole chunks of the self-attention's reads (layers.cache_steps).
-    Returns {'step': int32 scalar, 'ancestry': [b, n, L] int32 (layers.ancestry_bias), 'layers': one dict per
-    decoder layer, each {'self': {'key' [L/C, b, h, d, C·n], 'value' [L/C, b, h, C·n, d]}, 'cross': {'key'
-    [b, h, d, s], 'value' [b, h, s, d]}}}. The self-attention cache is flat: each hypothesis writes its keys and
-    values at step t into slot t·n + its beam index, in place, and they never move; a reordered beam changes
-    only the ancestry table, through which each hypothesis reads its own prefix. It is held in chunks of C
-    steps (layers.chunked_cache), the chunk index outermost, so a step reads the chunks written so far as
-    contiguous blocks. Keys with d before positions, so each step's products are matrix products without
-    transposes; separate per-layer buffers (not one stacked array) let each step update them in place.
+    Returns {'lengths': [S], 'ancestry': [S, n, L] int32 (layers.ancestry_bias), 'layers': one dict per decoder
+    layer, each {'self': {'key' [L/C, S, h, d, C·n], 'value' [L/C, S, h, C·n, d]}, 'cross': {'key' [S, h, d, s],
+    'value' [S, h, s, d]}}}. The self-attention cache is flat: each hypothesis writes its keys and values at
+    step t into slot t·n + its beam index, in place, and they never move; a reordered beam changes only the
+    ancestry table, through which each hypothesis reads its own prefix. It is held in chunks of C steps
+    (layers.chunked_cache), the chunk index outermost, so a step reads the chunks written so far as contiguous
+    blocks. Keys with d before positions, so each step's products are matrix products without transposes;
+    separate per-layer buffers (not one stacked array) let each step update them in place. A slot's entries of
+    steps after its own are never read (ancestry_bias), so a new sentence needs only its memory (`insert`).
     """
-    layer_caches = self.decoder.init_cache(encoded, beam_size, max_output_length)
-    return {'step': jnp.zeros((), jnp.int32),
-            'ancestry': jnp.zeros((encoded.shape[0], beam_size, layers.cache_steps(max_output_length)), jnp.int32),
-            'layers': layer_caches}
+    slots = memory['lengths'].shape[0]
+    return {'lengths': memory['lengths'],
+            'ancestry': jnp.zeros((slots, beam_size, layers.cache_steps(max_output_length)), jnp.int32),
+            'layers': self.decoder.init_cache(memory['layers'], beam_size, max_output_length)}
+
+  @staticmethod
+  def insert(cache: dict, memory: dict, rows: jax.Array) -> dict:
+    """The cache with slots `rows` [P] holding the sentences of `memory` ([P, ...], from `memory`); a row index
+    of S (a padding row) is left out."""
+    def put(tree, new):
+      return jax.tree_util.tree_map(lambda x, y: x.at[rows].set(y, mode='drop'), tree, new)
+    return {**cache, 'lengths': put(cache['lengths'], memory['lengths']),
+            'layers': tuple({**layer, 'cross': put(layer['cross'], cross)}
+                            for layer, cross in zip(cache['layers'], memory['layers']))}
 
   @staticmethod
   def reorder_cache(cache: dict, rows: jax.Array) -> dict:
-    """Beam reordering: hypothesis j continues the hypothesis of row rows[j] ([b·n] int32, rows of its own
-    sentence): it takes that hypothesis's ancestry (which slots it reads); no key or value is copied."""
-    batch, n, length = cache['ancestry'].shape
-    ancestry = cache['ancestry'].reshape(batch * n, length)[rows].reshape(batch, n, length)
+    """Beam reordering: hypothesis j continues the hypothesis of row rows[j] ([S·n] int32, rows of its own
+    slot): it takes that hypothesis's ancestry (which slots it reads); no key or value is copied."""
+    slots, n, length = cache['ancestry'].shape
+    ancestry = cache['ancestry'].reshape(slots * n, length)[rows].reshape(slots, n, length)
     return {**cache, 'ancestry': ancestry}
 
-  @staticmethod
-  def select_sentences(cache: dict, rows: jax.Array) -> dict:
-    """The cache of sentences `rows` [b'] alone (every hypothesis of each): the search's compaction."""
-    def take(tree, axis):
-      return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=axis), tree)
-    return {'step': cache['step'], 'ancestry': take(cache['ancestry'], 0),
-            'layers': tuple({'self': take(layer['self'], 1), 'cross': take(layer['cross'], 0)}
-                            for layer in cache['layers'])}
-
-  def decode_step(self, ids: jax.Array, inputs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """ids [b·n, 1] (each hypothesis's previous token), inputs [b, s] -> (logits [b·n, v], cache)."""
-    step = cache['step']
-    n = cache['ancestry'].shape[1]
-    ancestry = cache['ancestry'].at[:, :, step].set(jnp.arange(n, dtype=jnp.int32))  # [b, n, L]: own slot now
-    memory_bias = layers.padding_bias(inputs)  # [b, 1, 1, s]
-    y = self._embed(ids, self.target_embedding, self.target_positions, True, step)  # [bn, 1, e]
-    y, layer_caches = self.decoder.decode_step(y, cache['layers'], step, ancestry, memory_bias)
-    return self._logits(y)[:, 0], {'step': step + 1, 'ancestry': ancestry, 'layers': layer_caches}
+  def decode_step(self, ids: jax.Array, cache: dict, steps: jax.Array) -> tuple[jax.Array, dict]:
+    """ids [S·n, 1] (each hypothesis's previous token), steps [S] (each slot's position) -> (logits [S·n, v],
+    cache)."""
+    slots, n, length = cache['ancestry'].shape
+    steps = jnp.minimum(jnp.broadcast_to(steps, (slots,)), length - 1)  # a done slot stays within its cache
+    ancestry = cache['ancestry'].at[jnp.arange(slots), :, steps].set(jnp.arange(n, dtype=jnp.int32))  # own slot now
+    source_length = cache['layers'][0]['cross']['key'].shape[-1]
+    memory_bias = layers.attention_bias(1, source_length, cache['lengths'], causal=False)  # [S, 1, 1, s]
+    y = self._embed(ids, self.target_embedding, self.target_positions, True, jnp.repeat(steps, n))  # [Sn, 1, e]
+    y, layer_caches = self.decoder.decode_step(y, cache['layers'], steps, ancestry, memory_bias)
+    return self._logits(y)[:, 0], {**cache, 'ancestry': ancestry, 'layers': layer_caches}

@@ -1,16 +1,17 @@
-"""§6.1 decoding: beam search with the GNMT length penalty, and greedy search, on device.
+"""§6.1 decoding strategies over slots: beam search with the GNMT length penalty, and greedy search.
 
-Both are pure functions of a `tokens_to_logits(ids [b·n, 1], cache) -> (logits [b·n, v], cache)`
-callback, so any model (or a hand-made table in tests) can drive them. Hypotheses of sentence i
-occupy rows i·n … i·n+n-1. When beams are reordered, `reorder_cache(cache, rows [b·n])` makes each
-hypothesis continue its parent's; the default gathers every leaf whose leading dimension is b·n and
-leaves the others alone. translate_batch passes `Transformer.reorder_cache`, which reorders only each
-hypothesis's ancestry table: the flat self-attention cache is never copied, and the encoder keys/values
-([b, ...]) are shared by a sentence's beams. Given `select_sentences(cache, sentences)`, the searches drop
-finished sentences from the batch in a few phases of halving size (CTranslate2 drops them step by step).
+A strategy decodes a fixed number of slots, each one sentence's hypotheses at its own step, so that a slot
+whose sentence is done can take the next sentence while the others go on (engine.py keeps them full). Each is
+one class with the same five pure functions (`Strategy`): the state of empty slots, a sentence started in
+chosen slots, one step of every slot, which slots are done, and their results; a new strategy is one more
+class. A step drives the model through a callback `tokens_to_logits(ids [S·n, 1], steps [S], cache) ->
+(logits [S·n, v], cache)`, so any model (or a hand-made table in tests) can drive it: hypotheses of slot i
+occupy rows i·n … i·n+n-1, at position steps[i]. When beams are reordered, `reorder_cache(cache, rows [S·n])`
+makes each hypothesis continue its parent's; the default gathers every leaf whose leading dimension is S·n and
+leaves the others alone; the Transformer's reorders only each hypothesis's ancestry table (model.py).
 """
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +90,7 @@ def best_tokens(logits: jax.Array, k: int, beam_top_k: str):
 
 
 def gather_leading_rows(tree, rows):
-  """Default `reorder_cache`: leaves with leading dimension len(rows) take rows `rows` [b·n]; others stay."""
+  """Default `reorder_cache`: leaves with leading dimension len(rows) take rows `rows` [S·n]; others stay."""
   def gather(x):
     if x.ndim and x.shape[0] == rows.shape[0]:
       return jnp.take(x, rows, axis=0)
@@ -97,197 +98,242 @@ def gather_leading_rows(tree, rows):
   return jax.tree_util.tree_map(gather, tree)
 
 
-def phase_sizes(batch: int, smallest: int = 8, compactions: int = 3, least: int = 64) -> list[int]:
-  """The batch sizes a search compacts its sentences into as they finish: halving (rounded up to a multiple of
-  8) down to `smallest`, at most `compactions` times; [batch] alone for a batch under `least` rows, where a
-  compaction saves less than the compilation of another phase costs."""
-  sizes = [batch]
-  while batch >= least and len(sizes) <= compactions and sizes[-1] >= 2 * smallest:
-    sizes.append(-(-sizes[-1] // 2 // 8) * 8)
-  return sizes
+def _written(tokens: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
+  """tokens [S, ..., L+1] with each slot's `values` [S, ...] at its own position `positions` [S] (one past the
+  end: unchanged)."""
+  at = jnp.arange(tokens.shape[-1]) == positions.reshape((-1,) + (1,) * (tokens.ndim - 1))  # [S, 1.., L+1]
+  return jnp.where(at, values[..., None], tokens)
 
 
-def select_leading(tree, rows: jax.Array):
-  """Default `select_sentences`: every leaf with a leading axis takes rows `rows` [b'] of it (scalars stay)."""
-  return jax.tree_util.tree_map(lambda x: jnp.take(x, rows, axis=0) if x.ndim else x, tree)
+def _set_rows(x: jax.Array, rows: jax.Array, value) -> jax.Array:
+  """x with slots `rows` [P] set to `value`; a row index of len(x) (a padding row) is left out."""
+  return x.at[rows].set(value, mode='drop')
 
 
-def _phased(not_done, body, state: dict, done, select_sentences, results: tuple[str, ...]) -> dict:
-  """Runs the search loop `body` while `not_done(state, floor)`, in phases of shrinking batch size: once the
-  sentences not `done(state)` [b] fit in the next phase's size, the state's sentences (and the cache, through
-  `select_sentences(cache, rows)`) are cut to those rows, unfinished ones first; finished sentences' results
-  (the state's `results` entries) are final and kept, by original row, in the returned state. Without
-  `select_sentences`: one phase, the plain loop."""
-  batch = state['origin'].shape[0]
-  sizes = phase_sizes(batch) if select_sentences is not None else [batch]
-  kept = {name: state[name] for name in results}  # per original row
-  for phase in range(len(sizes)):
-    floor = sizes[phase + 1] if phase + 1 < len(sizes) else 0  # the next phase's size (0: run to the end)
-    state = jax.lax.while_loop(functools.partial(not_done, floor=floor), body, state)
-    kept = {name: kept[name].at[state['origin']].set(state[name]) for name in results}
-    if floor:
-      rows = jnp.argsort(done(state), stable=True)[:floor]  # [floor]: the unfinished first
-      state = {k: (select_sentences if k == 'cache' else select_leading)(v, rows) for k, v in state.items()}
-  return {**state, **kept}
+class Strategy:
+  """How each slot decodes its sentence: one class per strategy, with these pure functions of the search state
+  (a dict of [S, ...] arrays plus the model's 'cache'), all jit-compatible. `width` is the hypotheses a slot
+  holds (rows of the model's step), `kept` the results it returns."""
+  width = 1
+  kept = 1
+
+  def initial(self, slots: int, length: int) -> dict:
+    """The state of `slots` empty slots (each done) for outputs of up to `length` tokens; no 'cache'."""
+    raise NotImplementedError
+
+  def start(self, state: dict, rows: jax.Array, max_lengths: jax.Array) -> dict:
+    """Slots `rows` [P] (len(slots): a padding row, left out) begin a sentence that may produce up to
+    `max_lengths` [P] tokens, EOS included (0: none, the slot is done at once)."""
+    raise NotImplementedError
+
+  def step(self, state: dict, tokens_to_logits, reorder_cache) -> dict:
+    """One step of every slot; a done slot's results stay as they are."""
+    raise NotImplementedError
+
+  def done(self, state: dict) -> jax.Array:
+    """[S] bool: the slot's results are final."""
+    raise NotImplementedError
+
+  def output(self, state: dict) -> tuple[jax.Array, jax.Array]:
+    """(tokens [S, kept, L] int32, ending with EOS unless cut at the length limit, 0-padded; scores [S, kept]),
+    best first."""
+    raise NotImplementedError
 
 
-def beam_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
-                beam_size: int = 4, length_penalty_alpha: float = 0.6, eos_id: int = EOS_ID,
-                reorder_cache=gather_leading_rows, beam_top_k: str = 'lax', num_results: int | None = None,
-                select_sentences=None, stop: str = 'bound'):
-  """Beam search returning the best hypothesis of each sentence, or its `num_results` best.
+@dataclasses.dataclass(frozen=True)
+class BeamSearch(Strategy):
+  """Beam search returning each sentence's best hypothesis, or its `num_results` best.
 
-  Args:
-    tokens_to_logits: (ids [b·n, 1], cache) -> (logits [b·n, v], cache).
-    cache: the callback's state for b·n hypotheses (see module docstring).
-    batch: b.
-    max_lengths: [b] int32, the most tokens (EOS included) each sentence may produce (§6.1: input + 50); 0 for
-      a padding row, which is then finished from the start.
-    max_output_length: static upper bound of max_lengths (the size of the output and the cache).
-    beam_size: n. length_penalty_alpha: the length penalty's exponent α (0 = none).
-    reorder_cache: (cache, rows [b·n] int32) -> cache whose hypothesis j holds what row rows[j] held.
-    beam_top_k: how each row's best tokens are found ('two_stage' or 'lax'; see top_k).
-    num_results: None for the best hypothesis alone; k ≤ n for the k best, the search then running until
-      the k-th best finished one (not only the best) beats every live one.
-    select_sentences: (cache, sentences [b'] int32) -> the cache of those sentences alone (every hypothesis of
-      each), or None. Given, finished sentences leave the batch as the search goes (phase_sizes), as
-      CTranslate2 drops them: the same results for less work.
-    stop: when a sentence is finished (its results final). 'bound' (tensor2tensor): once its k-th best ended
-      hypothesis scores at least what its best live one would at the length limit with no further loss, so
-      the result is that of searching to the limit. 'beam_ended' (fairseq, CTranslate2): once n hypotheses
-      have ended, a hypothesis counting as ended only when it is among the n best extensions of its step
-      (an ending extension ranked below them is dropped).
-  Returns:
-    (tokens [b, max_output_length] int32, ending with EOS unless cut at the length limit, 0-padded;
-     scores [b]: the length-penalised log-probabilities), or with num_results=k: ([b, k, max_output_length],
-     [b, k]), best first.
+  beam_size: n. length_penalty_alpha: the length penalty's exponent α (0 = none). beam_top_k: how each row's
+  best tokens are found ('two_stage' or 'lax'; see top_k). num_results: None for the best hypothesis alone;
+  k ≤ n for the k best, the search then running until the k-th best finished one (not only the best) beats
+  every live one. stop: when a sentence is done (its results final). 'bound' (tensor2tensor): once its k-th
+  best ended hypothesis scores at least what its best live one would at the length limit with no further loss,
+  so the result is that of searching to the limit. 'beam_ended' (fairseq, CTranslate2): once n hypotheses have
+  ended, a hypothesis counting as ended only when it is among the n best extensions of its step (an ending
+  extension ranked below them is dropped).
   """
-  n, length = beam_size, max_output_length
-  kept = num_results or 1
-  if not 1 <= kept <= n:
-    raise ValueError(f'num_results={num_results} must be between 1 and the beam size {n}')
-  if stop not in BEAM_STOPS:
-    raise ValueError(f'stop={stop!r}: use one of {BEAM_STOPS}')
-  max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), length)
+  beam_size: int = 4
+  length_penalty_alpha: float = 0.6
+  beam_top_k: str = 'lax'
+  num_results: int | None = None
+  stop: str = 'bound'
+  eos_id: int = EOS_ID
 
-  def done(state):  # [b]: finished by the stopping rule, or out of length
-    if stop == 'beam_ended':  # n hypotheses have ended (an unfilled slot holds IMPOSSIBLE_SCORE)
+  def __post_init__(self):
+    if not 1 <= (self.num_results or 1) <= self.beam_size:
+      raise ValueError(f'num_results={self.num_results} must be between 1 and the beam size {self.beam_size}')
+    if self.stop not in BEAM_STOPS:
+      raise ValueError(f'stop={self.stop!r}: use one of {BEAM_STOPS}')
+
+  width = property(lambda self: self.beam_size)
+  kept = property(lambda self: self.num_results or 1)
+
+  def initial(self, slots, length):
+    n = self.beam_size
+    return {
+        'step': jnp.zeros((slots,), jnp.int32),
+        'max_lengths': jnp.zeros((slots,), jnp.int32),  # 0: an empty slot, done
+        'live_tokens': jnp.zeros((slots, n, length + 1), jnp.int32),  # position 0: the start symbol
+        'live_scores': jnp.full((slots, n), IMPOSSIBLE_SCORE, jnp.float32),  # [S, n]
+        'finished_tokens': jnp.zeros((slots, n, length + 1), jnp.int32),
+        'finished_scores': jnp.full((slots, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
+    }
+
+  def start(self, state, rows, max_lengths):
+    """One live hypothesis (the start symbol), none finished."""
+    first = jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (self.beam_size - 1), jnp.float32)
+    return {**state, 'step': _set_rows(state['step'], rows, 0),
+            'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
+            'live_tokens': _set_rows(state['live_tokens'], rows, 0),
+            'live_scores': _set_rows(state['live_scores'], rows, first),
+            'finished_tokens': _set_rows(state['finished_tokens'], rows, 0),
+            'finished_scores': _set_rows(state['finished_scores'], rows, IMPOSSIBLE_SCORE)}
+
+  def done(self, state):
+    n, kept = self.beam_size, self.kept
+    if self.stop == 'beam_ended':  # n hypotheses have ended (an unfilled slot holds IMPOSSIBLE_SCORE)
       ended = state['finished_scores'][:, n - 1] > IMPOSSIBLE_SCORE / 2
     else:  # no live hypothesis can still beat the k-th best finished one
-      best_live_bound = state['live_scores'][:, 0] / length_penalty(state['max_lengths'], length_penalty_alpha)
+      best_live_bound = state['live_scores'][:, 0] / length_penalty(state['max_lengths'], self.length_penalty_alpha)
       ended = state['finished_scores'][:, kept - 1] >= best_live_bound
     return ended | (state['step'] >= state['max_lengths'])
 
-  def not_done(state, floor):
-    return (state['step'] < length) & (jnp.sum(~done(state)) > floor)
+  def step(self, state, tokens_to_logits, reorder_cache=gather_leading_rows):
+    """Every live hypothesis extended by its best tokens, the n best that go on kept live (the cache reordered
+    to them), those that end merged into the n best finished, unless the slot was already done. With
+    stop='beam_ended' only extensions among the step's n best may end (the others that end are dropped)."""
+    n, alpha = self.beam_size, self.length_penalty_alpha
+    step, limits = state['step'], state['max_lengths']  # [S] each
+    slots, done = step.shape[0], self.done(state)
+    ids = jnp.take_along_axis(state['live_tokens'], step[:, None, None], axis=2).reshape(slots * n, 1)  # [Sn, 1]
+    logits, new_cache = tokens_to_logits(ids, step, state['cache'])
+    top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, self.beam_top_k)  # [S, 2n] each
+    top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [S, 2n, L+1]
+    top_tokens = _written(top_tokens, step + 1, top_token)
+    ends = (top_token == self.eos_id) | (step + 1 >= limits)[:, None]  # [S, 2n]: EOS, or the length limit
+    live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [S, n]: go on
+    live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [S, n]
+    parent_rows = (live_beam + jnp.arange(slots)[:, None] * n).reshape(slots * n)  # [Sn]
+    counted = ends & ~done[:, None]  # [S, 2n]
+    if self.stop == 'beam_ended':  # the n best (top_scores is sorted), not extensions of step 0's unfilled beams
+      counted &= (jnp.arange(2 * n) < n) & (top_scores > IMPOSSIBLE_SCORE / 2)
+    ended_scores = jnp.where(counted, top_scores / length_penalty(step + 1, alpha)[:, None], IMPOSSIBLE_SCORE)
+    finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
+                                                      ended_scores, top_tokens, n)
+    return {**state, 'step': jnp.where(done, step, step + 1), 'live_scores': live_scores,
+            'live_tokens': jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1),  # [S, n, L+1]
+            'finished_tokens': finished_tokens, 'finished_scores': finished_scores,
+            'cache': reorder_cache(new_cache, parent_rows)}
 
-  body = functools.partial(_beam_step, tokens_to_logits=tokens_to_logits, n=n, alpha=length_penalty_alpha,
-                           eos_id=eos_id, reorder_cache=reorder_cache, beam_top_k=beam_top_k, done=done,
-                           ended_in_beam=stop == 'beam_ended')
-  state = {**_initial_beams(batch, n, length, cache), 'max_lengths': max_lengths, 'origin': jnp.arange(batch)}
-  final = _phased(not_done, body, state, done, select_sentences, ('finished_tokens', 'finished_scores'))
-  if num_results:
-    return final['finished_tokens'][:, :kept, 1:], final['finished_scores'][:, :kept]  # [b, k, L], [b, k]
-  return final['finished_tokens'][:, 0, 1:], final['finished_scores'][:, 0]  # [b, L], [b]
-
-
-def _beam_step(state, *, tokens_to_logits, n: int, alpha: float, eos_id: int, reorder_cache, beam_top_k: str, done,
-               ended_in_beam: bool):
-  """One step of beam_search: every live hypothesis extended by its best tokens, the n best that go on kept
-  live (the cache reordered to them), those that end merged into the n best finished, unless the sentence was
-  already `done(state)` [b] (its results are final while the batch goes on). `ended_in_beam`: only extensions
-  among the step's n best may end (the others that end are dropped)."""
-  step, rows, limits = state['step'], state['origin'].shape[0], state['max_lengths']
-  ids = state['live_tokens'][:, :, step].reshape(rows * n, 1)  # [bn, 1]
-  logits, new_cache = tokens_to_logits(ids, state['cache'])
-  top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, beam_top_k)  # [b, 2n] each
-  top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [b, 2n, L+1]
-  top_tokens = top_tokens.at[:, :, step + 1].set(top_token)
-  ends = (top_token == eos_id) | (step + 1 >= limits)[:, None]  # [b, 2n]: EOS, or the length limit
-  live_scores, live_pick = jax.lax.top_k(jnp.where(ends, IMPOSSIBLE_SCORE, top_scores), n)  # [b, n]: those that go on
-  live_beam = jnp.take_along_axis(top_beam, live_pick, axis=1)  # [b, n]
-  parent_rows = (live_beam + jnp.arange(rows)[:, None] * n).reshape(rows * n)  # [bn]
-  counted = ends & ~done(state)[:, None]  # [b, 2n]
-  if ended_in_beam:  # the n best (top_scores is sorted), and not extensions of the unfilled beams of step 0
-    counted &= (jnp.arange(2 * n) < n) & (top_scores > IMPOSSIBLE_SCORE / 2)
-  ended_scores = jnp.where(counted, top_scores / length_penalty(step + 1, alpha), IMPOSSIBLE_SCORE)
-  finished_scores, finished_tokens = _best_finished(state['finished_scores'], state['finished_tokens'],
-                                                    ended_scores, top_tokens, n)
-  return {**state, 'step': step + 1, 'live_scores': live_scores,
-          'live_tokens': jnp.take_along_axis(top_tokens, live_pick[:, :, None], axis=1),  # [b, n, L+1]
-          'finished_tokens': finished_tokens, 'finished_scores': finished_scores,
-          'cache': reorder_cache(new_cache, parent_rows)}
-
-
-def _initial_beams(batch: int, n: int, length: int, cache) -> dict:
-  """The search's state before its first step: one live hypothesis a sentence (the start symbol), none finished."""
-  return {
-      'step': jnp.array(0, jnp.int32),
-      'live_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),  # position 0: the start symbol
-      'live_scores': jnp.tile(jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (n - 1), jnp.float32), (batch, 1)),  # [b, n]
-      'finished_tokens': jnp.zeros((batch, n, length + 1), jnp.int32),
-      'finished_scores': jnp.full((batch, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
-      'cache': cache,
-  }
+  def output(self, state):
+    kept = self.kept
+    return state['finished_tokens'][:, :kept, 1:], state['finished_scores'][:, :kept]  # [S, k, L], [S, k]
 
 
 def _extensions(live_scores, logits, n: int, beam_top_k: str):
   """The 2n best one-token extensions of each sentence's n live hypotheses (2n always include n that do not
-  end): live_scores [b, n], logits [b·n, v] -> (scores [b, 2n], parent beam [b, 2n], token [b, 2n])."""
-  batch = live_scores.shape[0]
+  end): live_scores [S, n], logits [S·n, v] -> (scores [S, 2n], parent beam [S, 2n], token [S, 2n])."""
+  slots = live_scores.shape[0]
   # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps a row's
-  # order: pick per row on the logits, normalise only the picks (no [bn, v] log-prob array). Padding is never
+  # order: pick per row on the logits, normalise only the picks (no [Sn, v] log-prob array). Padding is never
   # produced.
   per_row = min(2 * n, logits.shape[-1] - 1)
-  row_logits, row_tokens, log_normalizer = best_tokens(logits.astype(jnp.float32), per_row, beam_top_k)  # [bn, k]
-  row_log_probs = (row_logits - log_normalizer).reshape(batch, n, per_row)  # [b, n, k]
-  candidates = (live_scores[:, :, None] + row_log_probs).reshape(batch, n * per_row)  # [b, n·k]
-  top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [b, 2n]
-  top_token = jnp.take_along_axis(row_tokens.reshape(batch, n * per_row), top_index, axis=1)  # [b, 2n]
+  row_logits, row_tokens, log_normalizer = best_tokens(logits.astype(jnp.float32), per_row, beam_top_k)  # [Sn, k]
+  row_log_probs = (row_logits - log_normalizer).reshape(slots, n, per_row)  # [S, n, k]
+  candidates = (live_scores[:, :, None] + row_log_probs).reshape(slots, n * per_row)  # [S, n·k]
+  top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [S, 2n]
+  top_token = jnp.take_along_axis(row_tokens.reshape(slots, n * per_row), top_index, axis=1)  # [S, 2n]
   return top_scores, top_index // per_row, top_token
 
 
 def _best_finished(finished_scores, finished_tokens, ended_scores, ended_tokens, n: int):
-  """The n best finished hypotheses: those kept so far ([b, n], [b, n, L+1]) merged with those that end at
-  this step ([b, 2n] length-penalised, [b, 2n, L+1]; the others at IMPOSSIBLE_SCORE)."""
-  merged_scores = jnp.concatenate([finished_scores, ended_scores], axis=1)  # [b, 3n]
-  merged_tokens = jnp.concatenate([finished_tokens, ended_tokens], axis=1)  # [b, 3n, L+1]
-  scores, pick = jax.lax.top_k(merged_scores, n)  # [b, n]
+  """The n best finished hypotheses: those kept so far ([S, n], [S, n, L+1]) merged with those that end at
+  this step ([S, 2n] length-penalised, [S, 2n, L+1]; the others at IMPOSSIBLE_SCORE)."""
+  merged_scores = jnp.concatenate([finished_scores, ended_scores], axis=1)  # [S, 3n]
+  merged_tokens = jnp.concatenate([finished_tokens, ended_tokens], axis=1)  # [S, 3n, L+1]
+  scores, pick = jax.lax.top_k(merged_scores, n)  # [S, n]
   return scores, jnp.take_along_axis(merged_tokens, pick[:, :, None], axis=1)
 
 
-def greedy_search(tokens_to_logits, cache, batch: int, max_lengths: jax.Array, max_output_length: int,
-                  eos_id: int = EOS_ID, select_sentences=None, beam_top_k: str = 'lax'):
-  """The most probable next token at each step; stops when every sentence has ended (a padding row, whose
-  max_lengths is 0, from the start). `select_sentences`: as beam_search's, finished sentences leave the batch.
-  `beam_top_k`: how best_tokens finds each row's best token ('two_stage': two passes over the logits).
+@dataclasses.dataclass(frozen=True)
+class GreedySearch(Strategy):
+  """The most probable next token at each step, until EOS or the length limit; the score is the sum of the
+  chosen tokens' log-probabilities. beam_top_k: how best_tokens finds each row's best token ('two_stage': two
+  passes over the logits)."""
+  beam_top_k: str = 'lax'
+  eos_id: int = EOS_ID
 
-  Returns (tokens [b, max_output_length] int32, log-probabilities [b]).
-  """
+  def initial(self, slots, length):
+    return {'step': jnp.zeros((slots,), jnp.int32), 'max_lengths': jnp.zeros((slots,), jnp.int32),
+            'tokens': jnp.zeros((slots, length + 1), jnp.int32), 'ended': jnp.ones((slots,), bool),
+            'scores': jnp.zeros((slots,), jnp.float32)}
+
+  def start(self, state, rows, max_lengths):
+    return {**state, 'step': _set_rows(state['step'], rows, 0),
+            'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
+            'tokens': _set_rows(state['tokens'], rows, 0), 'ended': _set_rows(state['ended'], rows, max_lengths <= 0),
+            'scores': _set_rows(state['scores'], rows, 0.0)}
+
+  def done(self, state):
+    return state['ended'] | (state['step'] >= state['max_lengths'])
+
+  def step(self, state, tokens_to_logits, reorder_cache=gather_leading_rows):
+    step, done = state['step'], self.done(state)
+    ids = jnp.take_along_axis(state['tokens'], step[:, None], axis=1)  # [S, 1]
+    logits, cache = tokens_to_logits(ids, step, state['cache'])  # [S, v]
+    best, token, log_normalizer = best_tokens(logits.astype(jnp.float32), 1, self.beam_top_k)  # [S, 1]: no padding
+    token, log_prob = token[:, 0], best[:, 0] - log_normalizer[:, 0]  # [S]: log-softmax keeps the row's order
+    token = jnp.where(done, PAD_ID, token)
+    ended = done | (token == self.eos_id) | (step + 1 >= state['max_lengths'])
+    return {**state, 'step': jnp.where(done, step, step + 1), 'ended': ended, 'cache': cache,
+            'tokens': jnp.where(done[:, None], state['tokens'], _written(state['tokens'], step + 1, token)),
+            'scores': state['scores'] + jnp.where(done, 0.0, log_prob)}
+
+  def output(self, state):
+    return state['tokens'][:, None, 1:], state['scores'][:, None]  # [S, 1, L], [S, 1]
+
+
+def strategy_for(beam_size: int, length_penalty_alpha: float, beam_top_k: str, num_results: int | None = None,
+                 beam_stop: str = 'bound') -> Strategy:
+  """The strategy of these decoding settings: greedy search for a beam of 1, else beam search."""
+  if beam_size <= 1:
+    return GreedySearch(beam_top_k)
+  return BeamSearch(beam_size, length_penalty_alpha, beam_top_k, num_results, beam_stop)
+
+
+def run_to_end(strategy: Strategy, tokens_to_logits, cache, max_lengths: jax.Array, max_output_length: int,
+               reorder_cache=gather_leading_rows):
+  """Every slot started at once with `max_lengths` [S] (capped at `max_output_length`) and stepped until every
+  one is done: the strategy's output, (tokens [S, kept, L], scores [S, kept])."""
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_output_length)
-  initial = {'step': jnp.array(0, jnp.int32), 'tokens': jnp.zeros((batch, max_output_length + 1), jnp.int32),
-             'ended': max_lengths <= 0, 'scores': jnp.zeros((batch,), jnp.float32), 'cache': cache,
-             'max_lengths': max_lengths, 'origin': jnp.arange(batch)}
-
-  def not_done(state, floor):
-    return (state['step'] < max_output_length) & (jnp.sum(~state['ended']) > floor)
-
-  def body(state):
-    step = state['step']
-    logits, cache = tokens_to_logits(state['tokens'][:, step][:, None], state['cache'])  # [b, v]
-    best, token, log_normalizer = best_tokens(logits.astype(jnp.float32), 1, beam_top_k)  # [b, 1] each: no padding
-    token, log_prob = token[:, 0], best[:, 0] - log_normalizer[:, 0]  # [b]: log-softmax keeps the row's order
-    token = jnp.where(state['ended'], PAD_ID, token)
-    score = state['scores'] + jnp.where(state['ended'], 0.0, log_prob)
-    ended = state['ended'] | (token == eos_id) | (step + 1 >= state['max_lengths'])
-    return {**state, 'step': step + 1, 'tokens': state['tokens'].at[:, step + 1].set(token), 'ended': ended,
-            'scores': score, 'cache': cache}
-
-  final = _phased(not_done, body, initial, lambda state: state['ended'], select_sentences, ('tokens', 'scores'))
-  return final['tokens'][:, 1:], final['scores']
+  slots = max_lengths.shape[0]
+  state = strategy.start({**strategy.initial(slots, max_output_length), 'cache': cache}, jnp.arange(slots),
+                         max_lengths)
+  state = jax.lax.while_loop(lambda s: ~jnp.all(strategy.done(s)),
+                             lambda s: strategy.step(s, tokens_to_logits, reorder_cache), state)
+  return strategy.output(state)
 
 
-# --- The Transformer as a tokens_to_logits callback ------------------------------------------
+def beam_search(tokens_to_logits, cache, batch: int, max_lengths, max_output_length: int, beam_size: int = 4,
+                length_penalty_alpha: float = 0.6, reorder_cache=gather_leading_rows, beam_top_k: str = 'lax',
+                num_results: int | None = None, stop: str = 'bound'):
+  """BeamSearch run to the end on `batch` sentences at once (run_to_end): (tokens [b, L], scores [b]), or with
+  num_results=k ([b, k, L], [b, k])."""
+  strategy = BeamSearch(beam_size, length_penalty_alpha, beam_top_k, num_results, stop)
+  tokens, scores = run_to_end(strategy, tokens_to_logits, cache, jnp.broadcast_to(max_lengths, (batch,)),
+                              max_output_length, reorder_cache)
+  return (tokens, scores) if num_results else (tokens[:, 0], scores[:, 0])
+
+
+def greedy_search(tokens_to_logits, cache, batch: int, max_lengths, max_output_length: int, beam_top_k: str = 'lax'):
+  """GreedySearch run to the end on `batch` sentences at once: (tokens [b, L], log-probabilities [b])."""
+  tokens, scores = run_to_end(GreedySearch(beam_top_k), tokens_to_logits, cache,
+                              jnp.broadcast_to(max_lengths, (batch,)), max_output_length)
+  return tokens[:, 0], scores[:, 0]
+
+
+# --- Ensembles ---------------------------------------------------------------------------
 
 def members(model, params) -> tuple[tuple, tuple]:
   """(models, their parameters) of one model (a Transformer and its parameters) or of an ensemble (tuples of
@@ -301,64 +347,3 @@ def ensemble_log_probs(logits: list[jax.Array]) -> jax.Array:
   scores read as one model's: log-probabilities [..., v] (float32)."""
   mean = jnp.mean(jnp.stack([jax.nn.log_softmax(x.astype(jnp.float32), axis=-1) for x in logits]), axis=0)
   return jax.nn.log_softmax(mean, axis=-1)
-
-
-def translate_batch(params, inputs, *, model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
-                    max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None,
-                    beam_stop: str = 'bound'):
-  """Pure predict step: inputs [b, s] int32 -> (tokens [b, max_output_length], scores [b]), or with
-  num_results=k the k best of each sentence's beam: ([b, k, max_output_length], [b, k]).
-
-  `model` and `params`: one Transformer and its parameters, or an ensemble: a tuple of Transformers (any shapes
-  sharing one vocabulary) and a tuple of their parameters, decoded with `ensemble_log_probs`, each member with
-  its own cache. Each sentence may produce up to (its source length + max_extra_length) tokens (§6.1); finished
-  sentences leave the batch as the search goes (phase_sizes); padding rows (all 0) are finished from the start.
-  `beam_stop`: beam_search's stopping rule (BEAM_STOPS).
-  Bind model/beam_size/length_penalty_alpha/max_extra_length/max_output_length with functools.partial and jit.
-  """
-  batch, n = inputs.shape[0], max(beam_size, 1)
-  models, member_params = members(model, params)
-  caches = {'inputs': inputs, 'members': tuple(
-      m.apply({'params': p}, m.apply({'params': p}, inputs, method=m.encode), n, max_output_length,
-              method=m.init_cache) for m, p in zip(models, member_params))}
-  source_lengths = jnp.sum(inputs > 0, axis=1)  # [b]
-  max_lengths = jnp.where(source_lengths > 0, source_lengths + max_extra_length, 0)  # a padding row: none
-
-  def tokens_to_logits(ids, caches):
-    outputs = [m.apply({'params': p}, ids, caches['inputs'], c, method=m.decode_step)
-               for m, p, c in zip(models, member_params, caches['members'])]
-    logits = outputs[0][0] if len(models) == 1 else ensemble_log_probs([logits for logits, _ in outputs])
-    return logits, {**caches, 'members': tuple(cache for _, cache in outputs)}
-
-  def reorder_cache(caches, rows):
-    return {**caches, 'members': tuple(type(m).reorder_cache(c, rows) for m, c in zip(models, caches['members']))}
-
-  def select_sentences(caches, rows):
-    return {'inputs': caches['inputs'][rows],
-            'members': tuple(type(m).select_sentences(c, rows) for m, c in zip(models, caches['members']))}
-
-  if beam_size <= 1:
-    tokens, scores = greedy_search(tokens_to_logits, caches, batch, max_lengths, max_output_length,
-                                   select_sentences=select_sentences, beam_top_k=beam_top_k)
-    return (tokens[:, None], scores[:, None]) if num_results else (tokens, scores)
-  return beam_search(tokens_to_logits, caches, batch, max_lengths, max_output_length, beam_size,
-                     length_penalty_alpha, reorder_cache=reorder_cache, beam_top_k=beam_top_k,
-                     num_results=num_results, select_sentences=select_sentences, stop=beam_stop)
-
-
-@functools.lru_cache(maxsize=None)
-def jitted_translate(model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
-                     max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None,
-                     beam_stop: str = 'bound'):
-  """One compiled predict step per (model, beam, α, lengths, top-k, results, stopping rule); cached across
-  calls."""
-  return jax.jit(functools.partial(translate_batch, model=model, beam_size=beam_size,
-                                   length_penalty_alpha=length_penalty_alpha,
-                                   max_extra_length=max_extra_length, max_output_length=max_output_length,
-                                   beam_top_k=beam_top_k, num_results=num_results, beam_stop=beam_stop))
-
-
-def decode_length(source_length: int, max_extra_length: int, max_positions: int) -> int:
-  """A static output length for a padded source length, rounded up to limit recompilation."""
-  need = source_length + max_extra_length
-  return int(min(max_positions, int(np.ceil(need / 16.0) * 16)))

@@ -7,9 +7,9 @@
     translator.score(['A man is sleeping.'], ['Ein Mann schläft.'])  # log p(target | source)
     translator.alignments(['A man is sleeping.'], ['Ein Mann schläft.'])  # ['0-0 1-1 3-2']
 
-Every call goes through the same length-sorted batches (`translation_batches`: rows and lengths rounded
-up to multiples of 8), so sentences of lengths already seen reuse the compiled programs: one
-compilation per batch shape and decoding choice, kept for the life of the process.
+Translations go through the decoding engine (engine.py: slots refilled as sentences finish); scores and
+alignments through length-sorted teacher-forced batches (`translation_batches`: rows and lengths rounded up to
+multiples of 8). Shapes already seen reuse their compiled programs, kept for the life of the process.
 """
 
 import functools
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_transformer import losses, search, tokenizer
+from flax_transformer import engine, losses, search, tokenizer
 from flax_transformer.sentences import encode_sentences, split_at_punctuation, translation_batches
 from flax_transformer.constants import EOS_ID, PAD_ID
 from flax_transformer.decoding_settings import DecodeSettings
@@ -291,26 +291,13 @@ class Translator:
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
     self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as the settings are
-    results = [[] for _ in encoded]
-    batches = translation_batches(encoded, self.max_source_tokens, self.eval_tokens_per_batch)
-    total, done = sum(len(indices) for indices, _ in batches), 0
-    for indices, inputs in batches:
-      if should_stop and should_stop():
-        return None
-      max_output_length = search.decode_length(inputs.shape[1], self.max_extra_length, self.max_positions)
-      translate = search.jitted_translate(self.model, beam_size, alpha, self.max_extra_length, max_output_length,
-                                          self.beam_top_k, num_results, self.beam_stop)
-      tokens, scores = jax.device_get(translate(self.params, inputs))
-      tokens, scores = np.asarray(tokens), np.asarray(scores)
-      if num_results is None:
-        tokens, scores = tokens[:, None], scores[:, None]  # [rows, 1, L], [rows, 1]
-      for row, i in enumerate(indices):
-        results[i] = [(tokenizer.decode_ids(self.processor, tokens[row, j]), float(scores[row, j]))
-                      for j in range(tokens.shape[1])]
-      done += len(indices)
-      if progress:
-        progress(done, total)
-    return results
+    strategy = search.strategy_for(beam_size, alpha, self.beam_top_k, num_results, self.beam_stop)
+    decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots,
+                            max_extra_length=self.max_extra_length, max_positions=self.max_positions)
+    results = decoder.run(encoded, progress, should_stop)
+    if results is None:
+      return None
+    return [[(tokenizer.decode_ids(self.processor, tokens), score) for tokens, score in best] for best in results]
 
   def _teacher_forced(self, sources, targets, with_attention, layer=-1):
     """(scores per pair, [(source ids, target ids, attention [t, s]) per pair] or None)."""

@@ -72,9 +72,9 @@ def test_library_attention_equals_written_out_attention(np_rng, causal, dtype):
 def test_attention_through_an_ancestry_equals_attention_over_the_explicitly_gathered_prefix(np_rng):
   """The flat self-attention cache: keys and values written at slot s·n + i by hypothesis i at step s, read by
   hypothesis j through a random ancestry (chunk by chunk, two chunks here), equal softmax attention over j's own
-  prefix gathered slot by slot."""
+  prefix gathered slot by slot; each sentence at its own step."""
   b, n, h, d = 2, 3, 2, 4
-  length, step = 2 * layers.CACHE_CHUNK_STEPS, layers.CACHE_CHUNK_STEPS + 3
+  length, steps = 2 * layers.CACHE_CHUNK_STEPS, np.array([layers.CACHE_CHUNK_STEPS + 3, 2], np.int32)
   attention = layers.MultiHeadAttention(h, h * d, True)
   x = jnp.asarray(np_rng.normal(size=(b * n, 1, h * d)), jnp.float32)
   params = jax.jit(attention.init)(jax.random.key(0), x, None)
@@ -82,15 +82,15 @@ def test_attention_through_an_ancestry_equals_attention_over_the_explicitly_gath
   key, value = layers.chunked_cache(jnp.asarray(np_rng.normal(size=(b, h, d, length * n)), jnp.float32),
                                     jnp.asarray(np_rng.normal(size=(b, h, length * n, d)), jnp.float32), n)
   ancestry = np_rng.integers(0, n, size=(b, n, length)).astype(np.int32)
-  ancestry[:, :, step] = np.arange(n)  # each hypothesis's own slot at this step
-  out, written = attention.apply(params, x, {'key': key, 'value': value}, step, jnp.asarray(ancestry),
+  ancestry[np.arange(b), :, steps] = np.arange(n)  # each hypothesis's own slot at its sentence's step
+  out, written = attention.apply(params, x, {'key': key, 'value': value}, steps, jnp.asarray(ancestry),
                                  method=layers.MultiHeadAttention.decode_step)
   query, key, value = attention.apply(params, x[:, 0], 'qkv', method=layers.MultiHeadAttention._project)
   written_keys, written_values = (np.asarray(y) for y in layers.whole_cache(written['key'], written['value']))
   for sentence in range(b):
     for j in range(n):
       row = sentence * n + j
-      slots = [s * n + ancestry[sentence, j, s] for s in range(step + 1)]
+      slots = [s * n + ancestry[sentence, j, s] for s in range(steps[sentence] + 1)]
       keys = written_keys[sentence][:, :, slots]  # [h, d, step + 1]
       values = written_values[sentence][:, slots]  # [h, step + 1, d]
       np.testing.assert_array_equal(keys[:, :, -1], np.asarray(key[row]))  # this step's key, written in place

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import layers, search
+from flax_transformer import engine, layers, search
 from flax_transformer.model import Transformer
 from tests.conftest import random_batch
 
@@ -21,13 +21,13 @@ def test_cached_decoding_equals_full_forward(small_model_config, np_rng):
   model = Transformer(small_model_config)
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
   full = jax.jit(model.apply)({'params': params}, batch['inputs'], batch['targets'])  # [b, t, v]
-  encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
-  cache = model.apply({'params': params}, encoded, 1, 6, method=model.init_cache)
+  memory = model.apply({'params': params}, batch['inputs'], method=model.memory)
+  cache = model.apply({'params': params}, memory, 1, 6, method=model.init_cache)
   previous = np.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
-  step = jax.jit(lambda ids, cache: model.apply({'params': params}, ids, batch['inputs'], cache,
-                                                method=model.decode_step))
+  step = jax.jit(lambda ids, cache, t: model.apply({'params': params}, ids, cache, jnp.full((3,), t),
+                                                   method=model.decode_step))
   for t in range(6):
-    logits, cache = step(previous[:, t:t + 1], cache)
+    logits, cache = step(previous[:, t:t + 1], cache, t)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
 
 
@@ -39,12 +39,12 @@ def test_decoding_sows_each_layers_attention_like_the_full_forward(small_model_c
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch['inputs'], batch['targets'])['params'])
   _, full = model.apply({'params': params}, batch['inputs'], batch['targets'], mutable=['intermediates'])
   full = full['intermediates']['decoder']  # leaves ([N, b, h, t, k],): one scanned stack
-  encoded = model.apply({'params': params}, batch['inputs'], method=model.encode)
-  cache = model.apply({'params': params}, encoded, 1, 4, method=model.init_cache)
+  memory = model.apply({'params': params}, batch['inputs'], method=model.memory)
+  cache = model.apply({'params': params}, memory, 1, 4, method=model.init_cache)
   previous = np.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
   layers = small_model_config.num_decoder_layers
   for t in range(4):
-    (_, cache), sown = model.apply({'params': params}, previous[:, t:t + 1], batch['inputs'], cache,
+    (_, cache), sown = model.apply({'params': params}, previous[:, t:t + 1], cache, jnp.full((2,), t),
                                    method=model.decode_step, mutable=['intermediates'])
     for kind, keys in (('self_attention', slice(0, 4)), ('cross_attention', slice(None))):
       per_layer = sown['intermediates']['decoder'][kind]['attention_weights']  # N x [b, h, 1, k]
@@ -58,9 +58,8 @@ def _table_model(table):
   """tokens_to_logits from a fixed table: logits depend on (previous token, step)."""
   table = jnp.asarray(table)  # [steps, vocab(prev), vocab(next)]
 
-  def tokens_to_logits(ids, cache):
-    step = cache['step']
-    return table[step, ids[:, 0]], {'step': step + 1, 'rows': cache['rows']}
+  def tokens_to_logits(ids, steps, cache):
+    return table[jnp.repeat(steps, ids.shape[0] // steps.shape[0]), ids[:, 0]], cache
   return tokens_to_logits
 
 
@@ -92,7 +91,7 @@ def test_beam_search_finds_the_brute_force_optimum(alpha):
   tables = [rng.normal(size=(max_length, vocab, vocab)).astype(np.float32) * 2 for _ in range(batch)]
   for b, table in enumerate(tables):
     beam = 3 ** (max_length - 1) * 2  # wide enough to be exhaustive
-    cache = {'step': jnp.array(0), 'rows': jnp.zeros((beam,))}
+    cache = {'rows': jnp.zeros((beam,))}
     tokens, scores = jax.jit(lambda c: search.beam_search(_table_model(table), c, 1, jnp.array([max_length]),
                                                           max_length, beam, alpha))(cache)
     expected_score, expected_seq = _brute_force(table, max_length, alpha)
@@ -122,34 +121,60 @@ def _beam_ended_reference(log_probs, max_length, beam, alpha):
   return max(finished)
 
 
-def test_the_beam_ended_rule_is_fairseqs_and_ctranslate2s_in_every_phase():
+def _refilled(strategy, tokens_to_logits, limits, slots: int, order) -> tuple[np.ndarray, np.ndarray]:
+  """The strategy over `slots` slots, sentences started in `order` as slots free up, one step at a time (the
+  engine's host loop, on a table model whose cache names each slot's sentence): (tokens [b, kept, L], scores)."""
+  length = int(max(limits))
+  state = {**strategy.initial(slots, length), 'cache': {'sentence': jnp.zeros((slots * strategy.width,), jnp.int32)}}
+  step = jax.jit(lambda state: strategy.step(state, tokens_to_logits, search.gather_leading_rows))
+
+  @jax.jit
+  def start(state, slot, sentence, limit):
+    rows = jnp.arange(strategy.width) + slot * strategy.width
+    return strategy.start({**state, 'cache': {'sentence': state['cache']['sentence'].at[rows].set(sentence)}},
+                          slot[None], limit[None])
+  tokens = np.zeros((len(limits), strategy.kept, length), np.int32)
+  scores = np.zeros((len(limits), strategy.kept), np.float32)
+  queue, occupant = list(order), {}
+  while queue or occupant:
+    for slot in range(slots):
+      if slot not in occupant and queue:
+        occupant[slot] = queue.pop(0)
+        state = start(state, jnp.int32(slot), jnp.int32(occupant[slot]), jnp.int32(limits[occupant[slot]]))
+    state = step(state)
+    output, done = strategy.output(state), np.asarray(strategy.done(state))
+    for slot in [slot for slot in occupant if done[slot]]:
+      i = occupant.pop(slot)
+      tokens[i], scores[i] = np.asarray(output[0][slot]), np.asarray(output[1][slot])
+  return tokens, scores
+
+
+def test_the_beam_ended_rule_is_fairseqs_and_ctranslate2s_in_refilled_slots():
   """beam_stop='beam_ended' against a plain implementation of fairseq's rule, on 64 sentences (each its own
-  table) of different length limits, so that they finish apart and leave the batch in phases; the default rule
-  returns something else for some of them (α = 2 favours the longer outputs it goes on to find)."""
+  table) of different length limits decoded through 8 slots in a shuffled order, so that they finish apart and
+  sentences start in slots mid-way through others; the default rule returns something else for some of them
+  (α = 2 favours the longer outputs it goes on to find)."""
   rng = np.random.default_rng(7)
   batch, vocab, beam, alpha, length = 64, 6, 3, 2.0, 8
   tables = rng.normal(size=(batch, length, vocab, vocab)).astype(np.float32) * 2
   limits = rng.integers(2, length + 1, size=batch)
 
-  def search_with(stop):
-    def tokens_to_logits(ids, cache):
-      return jnp.asarray(tables)[cache['sentence'], cache['step'], ids[:, 0]], {**cache, 'step': cache['step'] + 1}
+  def tokens_to_logits(ids, steps, cache):
+    return jnp.asarray(tables)[cache['sentence'], jnp.repeat(steps, beam), ids[:, 0]], cache
 
-    def select_sentences(cache, rows):
-      return {**cache, 'sentence': cache['sentence'].reshape(-1, beam)[rows].reshape(-1)}
-    cache = {'step': jnp.array(0), 'sentence': jnp.repeat(jnp.arange(batch), beam)}
-    return jax.jit(lambda c: search.beam_search(tokens_to_logits, c, batch, jnp.asarray(limits), length, beam, alpha,
-                                                select_sentences=select_sentences, stop=stop))(cache)
+  def search_with(stop):
+    strategy = search.BeamSearch(beam, alpha, stop=stop)
+    return _refilled(strategy, tokens_to_logits, limits, 8, rng.permutation(batch))
 
   log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(tables)))
   expected = [_beam_ended_reference(log_probs[i], int(limits[i]), beam, alpha) for i in range(batch)]
-  assert search.phase_sizes(batch) == [64, 32, 16, 8]
   tokens, scores = search_with('beam_ended')
   for i, (score, seq) in enumerate(expected):
-    assert tuple(int(t) for t in tokens[i] if t) == seq, i
-    np.testing.assert_allclose(float(scores[i]), score, rtol=1e-5)
+    assert tuple(int(t) for t in tokens[i, 0] if t) == seq, i
+    np.testing.assert_allclose(float(scores[i, 0]), score, rtol=1e-5)
   bound_tokens, _ = search_with('bound')
-  assert sum(tuple(int(t) for t in bound_tokens[i] if t) != seq for i, (_, seq) in enumerate(expected)) >= 3
+  assert sum(tuple(int(t) for t in bound_tokens[i, 0] if t) != seq for i, (_, seq) in enumerate(expected)) >= 3
+
 
 def test_beam_one_and_batch_order(small_model_config, np_rng):
   """Beam 1 is not greedy decoding in general (a finished short hypothesis can win on its length-penalised
@@ -157,7 +182,7 @@ def test_beam_one_and_batch_order(small_model_config, np_rng):
   batch = random_batch(np_rng, 4, 6, 5, small_model_config.vocab_size)
   model = Transformer(small_model_config)
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(2), batch['inputs'], batch['targets'])['params'])
-  run = lambda inputs, beam: search.jitted_translate(model, beam, 0.6, 5, 12)(params, inputs)
+  run = lambda inputs, beam: engine.jitted_translate(model, beam, 0.6, 5, 12)(params, inputs)
   beam_1, _ = run(batch['inputs'], 1)
   expected, _ = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 1, 0.6, 5, 12))(params, batch['inputs'])
   np.testing.assert_array_equal(np.asarray(beam_1), np.asarray(expected))
@@ -173,13 +198,14 @@ def _uncached_beam_search(model, params, inputs, beam_size, alpha, max_extra, le
   encoded = model.apply({'params': params}, inputs, method=model.encode)
   encoded_n, inputs_n = jnp.repeat(encoded, beam_size, axis=0), jnp.repeat(inputs, beam_size, axis=0)
 
-  def step(ids, cache):
-    prefix = jax.lax.dynamic_update_slice(cache['prefix'], ids, (0, cache['step']))  # [bn, L]
+  def step(ids, steps, cache):
+    steps = jnp.repeat(steps, beam_size)[:, None]  # [bn, 1]
+    prefix = jnp.where(jnp.arange(length) == steps, ids, cache['prefix'])  # [bn, L]
     logits = model.apply({'params': params}, encoded_n, inputs_n, jnp.roll(prefix, -1, axis=1),
                          method=model.decode)  # decoder input == prefix
-    return jnp.take(logits, cache['step'], axis=1), {'prefix': prefix, 'step': cache['step'] + 1}
+    return jnp.take_along_axis(logits, steps[:, :, None], axis=1)[:, 0], {'prefix': prefix}
 
-  cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, length), jnp.int32), 'step': jnp.array(0)}
+  cache = {'prefix': jnp.zeros((inputs.shape[0] * beam_size, length), jnp.int32)}
   max_lengths = jnp.sum(inputs > 0, axis=1) + max_extra
   return search.beam_search(step, cache, inputs.shape[0], max_lengths, length, beam_size, alpha)
 
@@ -194,15 +220,15 @@ def test_cached_beam_search_equals_recomputing_every_prefix(small_model_config):
   inputs = jnp.asarray(batch['inputs'])
   expected, expected_scores = jax.jit(lambda p, x: _uncached_beam_search(model, p, x, 4, 0.6, 6, 16))(params, inputs)
   for method in ('two_stage', 'lax'):  # the CPU choice and the GPU/TPU choice (platforms.py) agree
-    cached, cached_scores = search.jitted_translate(model, 4, 0.6, 6, 16, method)(params, inputs)
+    cached, cached_scores = engine.jitted_translate(model, 4, 0.6, 6, 16, method)(params, inputs)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(expected))
     np.testing.assert_allclose(np.asarray(cached_scores), np.asarray(expected_scores), rtol=1e-4, atol=1e-5)
 
   # The comparison is sensitive: a search that never moves the cache finds other translations.
   def stale(params, inputs):
-    encoded = model.apply({'params': params}, inputs, method=model.encode)
-    cache = model.apply({'params': params}, encoded, 4, 16, method=model.init_cache)
-    step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
+    memory = model.apply({'params': params}, inputs, method=model.memory)
+    cache = model.apply({'params': params}, memory, 4, 16, method=model.init_cache)
+    step = lambda ids, steps, c: model.apply({'params': params}, ids, c, steps, method=model.decode_step)
     return search.beam_search(step, cache, inputs.shape[0], jnp.sum(inputs > 0, 1) + 6, 16, 4, 0.6,
                               reorder_cache=lambda c, rows: c)[0]
   assert not np.array_equal(np.asarray(jax.jit(stale)(params, inputs)), np.asarray(expected))
@@ -240,7 +266,7 @@ def test_a_two_model_beam_search_finds_the_brute_force_optimum_of_the_ensemble()
   inputs = np.array([[3, 1], [4, 1]], np.int32)  # one token and EOS: at most 2 + 2 output tokens
   models = tuple(Transformer(c) for c in configs)
   params = tuple(nn.meta.unbox(jax.jit(m.init)(jax.random.key(i + 7), inputs, inputs)['params']) for i, m in enumerate(models))
-  tokens, scores = search.jitted_translate(models, (vocab - 2) ** 3, alpha, extra, 4)(params, inputs)
+  tokens, scores = engine.jitted_translate(models, (vocab - 2) ** 3, alpha, extra, 4)(params, inputs)
   max_length = 2 + extra
   candidates = [list(seq) + [last] for length in range(1, max_length + 1)
                 for seq in itertools.product(range(2, vocab), repeat=length - 1)
@@ -278,14 +304,14 @@ def test_every_hypothesis_of_the_k_best_scores_its_own_tokens_under_teacher_forc
   inputs = random_batch(np.random.default_rng(1), 8, 7, 5, config.vocab_size)['inputs']
   model, n, alpha = Transformer(config), 4, 0.6
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(5), inputs, inputs)['params'])
-  tokens, scores = search.jitted_translate(model, n, alpha, 6, 16, num_results=n)(params, inputs)
+  tokens, scores = engine.jitted_translate(model, n, alpha, 6, 16, num_results=n)(params, inputs)
   np.testing.assert_allclose(np.asarray(scores), _teacher_forced_scores(model, params, inputs, np.asarray(tokens), alpha),
                              rtol=1e-4, atol=1e-4)
 
   def stale(params, inputs):  # every hypothesis keeps the ancestry of the row it sits in
-    encoded = model.apply({'params': params}, inputs, method=model.encode)
-    cache = model.apply({'params': params}, encoded, n, 16, method=model.init_cache)
-    step = lambda ids, c: model.apply({'params': params}, ids, inputs, c, method=model.decode_step)
+    memory = model.apply({'params': params}, inputs, method=model.memory)
+    cache = model.apply({'params': params}, memory, n, 16, method=model.init_cache)
+    step = lambda ids, steps, c: model.apply({'params': params}, ids, c, steps, method=model.decode_step)
     return search.beam_search(step, cache, inputs.shape[0], jnp.sum(inputs > 0, 1) + 6, 16, n, alpha,
                               reorder_cache=lambda c, rows: c, num_results=n)
   tokens, scores = jax.jit(stale)(params, inputs)
@@ -309,13 +335,14 @@ def _hlo_computations(text: str) -> dict[str, list[str]]:
 
 def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_model_config):
   """In the compiled while loop, every instruction that produces a self-attention cache buffer is the in-place
-  write of this step's slots (a fusion whose root is a dynamic-update-slice): no copy, no gather of the cache
+  write of this step's slots (a scatter, or a fusion whose root is one or a dynamic-update-slice): no copy, no
+  gather of the cache
   (the copying layout's reorder shows up here as gather fusions and copies of every layer's buffers)."""
   b, n, length = 8, 4, 16
   model = Transformer(small_model_config)
   inputs = np.ones((b, 7), np.int32)
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), inputs, inputs)['params'])
-  text = search.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
+  text = engine.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
   h, d = small_model_config.num_heads, small_model_config.d_model // small_model_config.num_heads
   chunks, width = length // layers.CACHE_CHUNK_STEPS, layers.CACHE_CHUNK_STEPS * n
   shapes = {f'f32[{chunks},{b},{h},{d},{width}]', f'f32[{chunks},{b},{h},{width},{d}]'}
@@ -328,31 +355,48 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
     if not produced or produced.group(1) not in shapes or produced.group(2) in ('parameter', 'get-tuple-element',
                                                                                    'bitcast', 'tuple'):
       continue
+    if produced.group(2) == 'scatter':
+      continue
     if produced.group(2) == 'fusion':
       called = blocks[re.search(r'calls=%([\w.\-]+)', line).group(1)]
-      if ' dynamic-update-slice(' in next(l for l in called if l.strip().startswith('ROOT')):
+      root = next(l for l in called if l.strip().startswith('ROOT'))
+      if ' dynamic-update-slice(' in root or ' scatter(' in root:
         continue
     whole.append(line.strip()[:160])
   assert whole == []
 
 
 @pytest.mark.parametrize('beam,results', [(1, None), (4, None), (4, 2)])
-def test_finished_sentences_leave_the_batch_without_changing_a_result(small_model_config, monkeypatch, beam, results):
-  """64 sentences of varied lengths (and 8 padding rows) finish at different steps: the search that drops them
-  (phases of 64, 32, 16 and 8 rows) returns the tokens and scores of the one that keeps every row to the end."""
+def test_slots_refilled_in_any_order_give_each_sentence_its_own_search(small_model_config, beam, results):
+  """56 sentences of varied lengths (and blank ones) through 8 slots, admitted two at a time as slots free up,
+  in two different orders: each sentence gets the tokens and scores of a search in which every sentence has a
+  slot of its own from start to end, and of a search of it alone."""
   config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
   inputs = random_batch(np.random.default_rng(2), 64, 9, 5, config.vocab_size)['inputs']
-  inputs[56:] = 0  # padding rows, as translation batches have
+  inputs[56:] = 0  # blank sentences: no slot, no result
   model = Transformer(config)
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(6), inputs, inputs)['params'])
-  translate = functools.partial(search.translate_batch, model=model, beam_size=beam, length_penalty_alpha=0.6,
-                                max_extra_length=4, max_output_length=16, num_results=results)
-  assert search.phase_sizes(64) == [64, 32, 16, 8] and search.phase_sizes(304) == [304, 152, 80, 40]
-  assert search.phase_sizes(56) == [56]  # a small batch: one phase, one loop to compile
-  phased = jax.jit(translate)(params, inputs)
-  monkeypatch.setattr(search, 'phase_sizes', lambda batch: [batch])
-  whole = jax.jit(translate)(params, inputs)
-  np.testing.assert_array_equal(np.asarray(phased[0])[:56], np.asarray(whole[0])[:56])
-  np.testing.assert_allclose(np.asarray(phased[1])[:56], np.asarray(whole[1])[:56], rtol=1e-5, atol=1e-5)
-  lengths = (np.asarray(whole[0])[:56] > 0).reshape(56, -1).sum(1)
+  encoded = [[int(t) for t in row if t > 1] for row in inputs]
+  strategy = search.strategy_for(beam, 0.6, 'two_stage', results)
+  length = engine.decode_length(16, 4, config.max_positions)
+  whole = engine.jitted_translate(model, beam, 0.6, 4, length, 'two_stage', results)(params, np.pad(inputs, ((0, 0), (0, 7))))
+  whole_tokens, whole_scores = (np.asarray(x).reshape(64, -1, *x.shape[2 if results else 1:]) for x in whole)
+  lengths = (whole_tokens[:56, 0] > 0).sum(-1)
   assert lengths.max() - lengths.min() >= 5  # they do end apart
+  order = np.random.default_rng(3).permutation(64)
+  for sentences in (encoded, [encoded[i] for i in order]):
+    rows = list(range(64)) if sentences is encoded else list(order)
+    got = engine.Engine(model, params, strategy, slots=8, admit_rows=2, max_extra_length=4,
+                        max_positions=config.max_positions).run(sentences)
+    for position, i in enumerate(rows):
+      if i >= 56:
+        assert got[position] == []
+        continue
+      assert len(got[position]) == (results or 1)
+      for j, (tokens, score) in enumerate(got[position]):
+        np.testing.assert_array_equal(tokens, whole_tokens[i, j], err_msg=f'sentence {i}')
+        np.testing.assert_allclose(score, whole_scores[i, j], rtol=1e-5, atol=1e-5)
+  alone = engine.Engine(model, params, strategy, slots=8, max_extra_length=4, max_positions=config.max_positions)
+  for i in (0, 17):
+    (tokens, score), *_ = alone.run([encoded[i]])[0]
+    np.testing.assert_array_equal(tokens, whole_tokens[i, 0])

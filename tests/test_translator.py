@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer import search, sentences, steps, tokenizer
+from flax_transformer import engine, search, sentences, steps, tokenizer
 from flax_transformer.errors import UserError
 from flax_transformer.model import Transformer, TransformerConfig
 from flax_transformer.translator import Translator
@@ -82,7 +82,7 @@ def test_n_best_is_the_beam_ranked_and_its_first_is_the_translation(translator):
     assert scores == sorted(scores, reverse=True)
   # The beam search's own tokens and scores for the first batch, through decode.py directly.
   inputs = np.array([translator.processor.encode(LINES[1]) + [1]], np.int32)
-  tokens, scores = search.jitted_translate(translator.model, 3, 0.6, 4, 16, translator.beam_top_k, 3)(
+  tokens, scores = engine.jitted_translate(translator.model, 3, 0.6, 4, 16, translator.beam_top_k, 3)(
       translator.params, inputs)
   np.testing.assert_allclose([s for _, s in results[1]], np.asarray(scores)[0], atol=1e-4)
 

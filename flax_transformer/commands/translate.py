@@ -43,7 +43,10 @@ def define(flag_values, argv) -> None:
                     'the config\'s beam_stop): bound (once no live hypothesis can beat the best ended one) or '
                     'beam_ended (once beam size hypotheses have ended, as fairseq and CTranslate2; fewer steps).',
                     flag_values=flag_values)
-  define('integer', 'eval_tokens_per_batch', None, 'Source tokens per translation batch (default: the config\'s).')
+  define('integer', 'decode_slots', None, 'Sentences decoded at once, each slot refilled as its sentence ends '
+         '(default: the config\'s).')
+  define('integer', 'eval_tokens_per_batch', None, 'Source tokens per --score or --alignment batch (default: the '
+         'config\'s).')
   for alias, name in ALIASES.items():
     flags.DEFINE_alias(alias, name, flag_values=flag_values)
   define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
@@ -63,7 +66,7 @@ def define(flag_values, argv) -> None:
 
 
 STREAM_LINES = 256  # the most stdin lines translated together
-DECODING_FLAGS = ('beam_size', 'length_penalty_alpha', 'eval_tokens_per_batch', 'beam_stop')  # DecodeSettings' names
+DECODING_FLAGS = ('beam_size', 'length_penalty_alpha', 'decode_slots', 'eval_tokens_per_batch', 'beam_stop')  # DecodeSettings' names
 
 
 ALIASES = {'alpha': 'length_penalty_alpha', 'batch_tokens': 'eval_tokens_per_batch'}  # short name -> flag
@@ -185,7 +188,7 @@ def load(f):
   """The Translator the flags name: one workdir's model (its weights and checkpoints as --weights, --checkpoint,
   --step, --average_last say) or an ensemble's."""
   from flax_transformer.translator import Translator
-  overrides = {name: getattr(f, name) for name in ('eval_tokens_per_batch', 'beam_stop')}  # None: the run's
+  overrides = {name: getattr(f, name) for name in ('decode_slots', 'eval_tokens_per_batch', 'beam_stop')}  # None: the run's
   chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
   if len(workdirs(f)) > 1:
     return Translator.from_workdirs(workdirs(f), **chosen, **overrides)

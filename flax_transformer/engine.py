@@ -1,0 +1,221 @@
+"""The decoding engine: a fixed number of slots, each one sentence's hypotheses at its own step, refilled from a
+queue as sentences finish, so that the batch never empties until the input does.
+
+    engine = Engine(model, params, search.BeamSearch(4, 0.6), slots=64, max_extra_length=50, max_positions=256)
+    engine.run(encoded)  # per sentence: [(token ids, score), ...], best first
+
+Two compiled programs do the work (MaxText's `insert` and `generate`; vLLM's continuous batching): `admit`
+encodes a few sentences (`memory`: the encoder and each layer's encoder-decoder keys and values, once per
+sentence) and starts them in free slots; `generate` steps every slot until enough are done to be worth
+refilling (or all are). Between calls the host takes the done slots' results and admits the next sentences,
+longest first, so the last ones to finish are short. The state is donated, so both update it in place.
+A translation compiles one pair of programs per (slots, source length rounded up to 16, strategy); fewer
+sentences than slots take fewer slots (a power of two from 8).
+"""
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flax_transformer import search
+from flax_transformer.constants import EOS_ID
+
+SOURCE_ROUNDING = 16  # source lengths are rounded up to a multiple of this: a few shapes, a few compilations
+SMALLEST_SLOTS = 8
+
+
+def decode_length(source_length: int, max_extra_length: int, max_positions: int) -> int:
+  """A static output length for a padded source length, rounded up to limit recompilation."""
+  need = source_length + max_extra_length
+  return int(min(max_positions, int(np.ceil(need / 16.0) * 16)))
+
+
+def _callbacks(models: tuple, member_params: tuple):
+  """The strategies' (tokens_to_logits, reorder_cache) for one model or an ensemble (each member its own cache,
+  the caches a tuple), decoded with search.ensemble_log_probs."""
+  def tokens_to_logits(ids, steps, caches):
+    outputs = [m.apply({'params': p}, ids, c, steps, method=m.decode_step)
+               for m, p, c in zip(models, member_params, caches)]
+    logits = outputs[0][0] if len(models) == 1 else search.ensemble_log_probs([logits for logits, _ in outputs])
+    return logits, tuple(cache for _, cache in outputs)
+
+  def reorder_cache(caches, rows):
+    return tuple(type(m).reorder_cache(c, rows) for m, c in zip(models, caches))
+  return tokens_to_logits, reorder_cache
+
+
+def _max_lengths(inputs, max_extra_length: int, max_output_length: int):
+  """inputs [P, s] -> the most tokens each may produce (§6.1: input + max_extra_length; 0 for a padding row)."""
+  source_lengths = jnp.sum(inputs > 0, axis=1)  # [P]
+  return jnp.minimum(jnp.where(source_lengths > 0, source_lengths + max_extra_length, 0), max_output_length)
+
+
+def _caches(models, member_params, memories, width: int, max_output_length: int) -> tuple:
+  return tuple(m.apply({'params': p}, memory, width, max_output_length, method=m.init_cache)
+               for m, p, memory in zip(models, member_params, memories))
+
+
+def empty(params, *, model, strategy: search.Strategy, slots: int, source_length: int, max_output_length: int):
+  """The state of `slots` empty slots for sources of `source_length` tokens and outputs of `max_output_length`."""
+  models, member_params = search.members(model, params)
+  inputs = jnp.zeros((slots, source_length), jnp.int32)
+  memories = [jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                     jax.eval_shape(lambda: m.apply({'params': p}, inputs, method=m.memory)))
+              for m, p in zip(models, member_params)]
+  return {**strategy.initial(slots, max_output_length),
+          'cache': _caches(models, member_params, memories, strategy.width, max_output_length)}
+
+
+def admit(params, state, inputs, rows, *, model, strategy: search.Strategy, max_extra_length: int,
+          max_output_length: int):
+  """The state with the sentences inputs [P, s] (right-padded ids ending in EOS; an all-padding row: none)
+  started in slots `rows` [P] (S for a padding row)."""
+  models, member_params = search.members(model, params)
+  caches = tuple(type(m).insert(c, m.apply({'params': p}, inputs, method=m.memory), rows)
+                 for m, p, c in zip(models, member_params, state['cache']))
+  return strategy.start({**state, 'cache': caches}, rows, _max_lengths(inputs, max_extra_length, max_output_length))
+
+
+def generate(params, state, want, *, model, strategy: search.Strategy):
+  """Every slot stepped until `want` more slots are done than were, or all are -> (state, done [S] bool,
+  tokens [S, kept, L], scores [S, kept]): the strategy's output, final where done."""
+  tokens_to_logits, reorder_cache = _callbacks(*search.members(model, params))
+  target = jnp.minimum(jnp.sum(strategy.done(state)) + want, state['step'].shape[0])
+  state = jax.lax.while_loop(lambda s: jnp.sum(strategy.done(s)) < target,
+                             lambda s: strategy.step(s, tokens_to_logits, reorder_cache), state)
+  return (state, strategy.done(state), *strategy.output(state))
+
+
+def translate_batch(params, inputs, *, model, strategy: search.Strategy, max_extra_length: int,
+                    max_output_length: int):
+  """Every sentence of inputs [b, s] in a slot of its own, decoded to the end in one program: (tokens
+  [b, kept, L], scores [b, kept]). The engine's step without a host between steps: for tests and step timing."""
+  models, member_params = search.members(model, params)
+  memories = [m.apply({'params': p}, inputs, method=m.memory) for m, p in zip(models, member_params)]
+  caches = _caches(models, member_params, memories, strategy.width, max_output_length)
+  tokens_to_logits, reorder_cache = _callbacks(models, member_params)
+  return search.run_to_end(strategy, tokens_to_logits, caches, _max_lengths(inputs, max_extra_length, max_output_length),
+                           max_output_length, reorder_cache)
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_translate(model, beam_size: int, length_penalty_alpha: float, max_extra_length: int,
+                     max_output_length: int, beam_top_k: str = 'lax', num_results: int | None = None,
+                     beam_stop: str = 'bound'):
+  """translate_batch compiled for these settings, (params, inputs [b, s]) -> (tokens [b, L], scores [b]), or
+  with num_results=k ([b, k, L], [b, k])."""
+  strategy = search.strategy_for(beam_size, length_penalty_alpha, beam_top_k, num_results, beam_stop)
+  run = functools.partial(translate_batch, model=model, strategy=strategy, max_extra_length=max_extra_length,
+                          max_output_length=max_output_length)
+
+  def translate(params, inputs):
+    tokens, scores = run(params, inputs)
+    return (tokens, scores) if num_results else (tokens[:, 0], scores[:, 0])
+  return jax.jit(translate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The compiled programs of one engine shape."""
+  empty: callable
+  admit: callable
+  generate: callable
+
+
+@functools.lru_cache(maxsize=None)
+def programs(model, strategy: search.Strategy, slots: int, source_length: int, max_output_length: int,
+             max_extra_length: int) -> Programs:
+  """One shape's programs, kept for the life of the process (and in JAX's persistent compilation cache)."""
+  return Programs(
+      empty=jax.jit(functools.partial(empty, model=model, strategy=strategy, slots=slots, source_length=source_length,
+                                      max_output_length=max_output_length)),
+      admit=jax.jit(functools.partial(admit, model=model, strategy=strategy, max_extra_length=max_extra_length,
+                                      max_output_length=max_output_length), donate_argnums=(1,)),
+      generate=jax.jit(functools.partial(generate, model=model, strategy=strategy), donate_argnums=(1,)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """What one translation runs with: slots, source length (padded), output length, rows a call admits, and the
+  compiled programs of that shape."""
+  slots: int
+  source_length: int
+  max_output_length: int
+  admit_rows: int
+  programs: Programs
+
+
+def slot_count(sentences: int, slots: int) -> int:
+  """The slots a translation of `sentences` takes: at most `slots`, else the power of two from 8 that holds them."""
+  count = SMALLEST_SLOTS
+  while count < min(sentences, slots):
+    count *= 2
+  return min(count, max(slots, 1))
+
+
+class Engine:
+  """A model (or an ensemble: tuples of models and parameters), its parameters and a strategy, decoding lists of
+  encoded sentences through `slots` slots (see the module docstring). `admit_rows`: the sentences admitted at
+  once, and the done slots a `generate` call waits for while sentences are waiting (default: an eighth of the
+  slots)."""
+
+  def __init__(self, model, params, strategy: search.Strategy, *, slots: int, max_extra_length: int,
+               max_positions: int, admit_rows: int | None = None):
+    self.model, self.params, self.strategy = model, params, strategy
+    self.slots, self.max_extra_length, self.max_positions = slots, max_extra_length, max_positions
+    self.admit_rows = admit_rows
+
+  def shape(self, encoded: list[list[int]]) -> 'Shape':
+    """The slots, lengths and programs a translation of `encoded` runs with."""
+    longest = min(max(map(len, encoded)), self.max_positions - 1) + 1  # with EOS
+    slots = slot_count(sum(1 for ids in encoded if ids), self.slots)
+    source_length = -(-longest // SOURCE_ROUNDING) * SOURCE_ROUNDING
+    length = decode_length(source_length, self.max_extra_length, self.max_positions)
+    return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
+                 programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length))
+
+  def run(self, encoded: list[list[int]], progress=None, should_stop=None):
+    """Each sentence's results (ids without EOS, cut at the model's max_positions - 1; none: []), in order:
+    [(tokens [L] int32 ending in EOS unless cut at the length limit, 0-padded; score), ...], `strategy.kept` of
+    them, best first; an empty sentence gives []. `progress(done, total)` is called after each `generate`; a true
+    `should_stop()` (checked before each) abandons the rest and returns None."""
+    limit = self.max_positions - 1
+    sources = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
+    results = [[] for _ in sources]
+    queue = collections.deque(sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i])))
+    if not queue:
+      return results
+    total, finished = len(queue), 0
+    shape = self.shape(encoded)
+    slots, source_length, admit_rows = shape.slots, shape.source_length, shape.admit_rows
+    compiled = shape.programs
+    state = compiled.empty(self.params)
+    free, occupant = list(range(slots)), {}
+    while queue or occupant:
+      if should_stop and should_stop():
+        return None
+      while queue and free:
+        taken = [queue.popleft() for _ in range(min(admit_rows, len(queue), len(free)))]
+        rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
+        inputs = np.zeros((admit_rows, source_length), np.int32)
+        for row, i in enumerate(taken):
+          rows[row], occupant[int(free[0])] = free[0], i
+          inputs[row, :len(sources[i])] = sources[i]
+          free.pop(0)
+        state = compiled.admit(self.params, state, inputs, rows)
+      want = min(admit_rows, len(queue)) if queue else slots
+      state, done, tokens, scores = compiled.generate(self.params, state, np.int32(want))
+      done, tokens, scores = jax.device_get((done, tokens, scores))
+      for slot in np.flatnonzero(done):
+        i = occupant.pop(int(slot), None)
+        if i is not None:
+          results[i] = [(tokens[slot, j], float(scores[slot, j])) for j in range(tokens.shape[1])]
+          free.append(int(slot))
+          finished += 1
+      if progress:
+        progress(finished, total)
+    return results
