@@ -217,7 +217,8 @@ def against(revision: str, rounds: int):
   print(json.dumps({name: round(BATCH / statistics.median(times), 1) for name, times in seconds.items()}))
 
 
-def real_sentences(workdir: str, sentences_path: str, references_path: str | None, rounds: int):
+def real_sentences(workdir: str, sentences_path: str, references_path: str | None, rounds: int,
+                   slots: tuple[int, ...] | None = None):
   """A trained model on real sentences (EOS ends each), beam 4 and greedy: ours through the Translator vs
   CTranslate2 float32 on the exported model, alternating; BLEU against `references_path`; the decoding
   program's peak memory (XLA's buffer assignment, largest batch)."""
@@ -226,11 +227,19 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   from flax_transformer.translator import Translator
   sentences = parallel_text.read_lines(sentences_path)
   references = parallel_text.read_lines(references_path) if references_path else None
-  translator = Translator.from_workdir(workdir, beam_size=4)
-  beam_ended = Translator.from_workdir(workdir, beam_size=4, beam_stop='beam_ended')
-  runs = {'beam 4, ours': functools.partial(translator.translate, sentences, beam_size=4),
-          "beam 4, ours, beam_stop='beam_ended'": functools.partial(beam_ended.translate, sentences),
-          'greedy, ours': functools.partial(translator.translate, sentences, beam_size=1)}
+  slots = slots or (Translator.from_workdir(workdir).decoding.decode_slots,)
+  translator = Translator.from_workdir(workdir, beam_size=4, decode_slots=slots[0])
+  beam_ended = Translator.from_workdir(workdir, beam_size=4, beam_stop='beam_ended', decode_slots=slots[0])
+  runs, translators = {}, {}
+  for count in slots:
+    named = '' if len(slots) == 1 else f', {count} slots'
+    models = {'beam 4': Translator.from_workdir(workdir, beam_size=4, decode_slots=count),
+              "beam 4, beam_stop='beam_ended'": Translator.from_workdir(workdir, beam_size=4, beam_stop='beam_ended',
+                                                                         decode_slots=count),
+              'greedy': Translator.from_workdir(workdir, beam_size=1, decode_slots=count)}
+    for name, model in models.items():
+      key = name.replace('beam 4', f'beam 4, ours{named}', 1) if name != 'greedy' else f'greedy, ours{named}'
+      runs[key], translators[key] = functools.partial(model.translate, sentences), model
   try:
     import ctranslate2
     processor = translator.processor
@@ -250,6 +259,8 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   except ImportError:
     pass
   outputs = {name: fn() for name, fn in runs.items()}  # warm-up: every length shape compiled
+  for model in translators.values():
+    model.decoding_counts.clear()
   seconds = {name: [] for name in runs}
   for _ in range(rounds):
     for name, fn in runs.items():
@@ -265,6 +276,11 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
     score = (f'{evaluation.bleu(outputs[name], references, translator.settings.decode.bleu_tokenize)[0]:.2f}'
              if references else '-')
     print(f'| {name} | {len(sentences) / statistics.median(seconds[name]):,.1f} | {words:,} | {score} |')
+  for name, model in translators.items():
+    counts = model.decoding_counts
+    print(f'| {name}: sentence-steps of a round / slot-steps | {counts["sentence_steps"] // rounds:,} / '
+          f'{counts["slot_steps"] // rounds:,} ({counts["sentence_steps"] / max(counts["slot_steps"], 1):.0%} busy), '
+          f'{counts["calls"] // rounds} calls | | |')
   for name in runs:
     theirs = [other for other in runs if 'CTranslate2' in other and other.split(',')[0] == name.split(',')[0]]
     if 'CTranslate2' not in name and theirs:
@@ -336,13 +352,16 @@ def main():
   parser.add_argument('--references', help='their reference translations, for BLEU beside the speed')
   parser.add_argument('--per_step', action='store_true', help='with --workdir: a beam step at each batch size')
   parser.add_argument('--rounds', type=int, default=7)
+  parser.add_argument('--slots', default='', help='with --sentences: our decoder at each of these slot counts '
+                      '(comma-separated; default: the run\'s decode_slots)')
   args = parser.parse_args()
   if args.workdir and args.per_step:
     return per_step(args.workdir, args.rounds)
   if args.against:
     return against(args.against, args.rounds)
   if args.workdir:
-    return real_sentences(args.workdir, args.sentences, args.references, args.rounds)
+    slots = tuple(int(count) for count in args.slots.split(',')) if args.slots else None
+    return real_sentences(args.workdir, args.sentences, args.references, args.rounds, slots)
   model = Transformer(CONFIG)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(3, CONFIG.vocab_size, (BATCH, SOURCE_LENGTH)), jnp.int32)

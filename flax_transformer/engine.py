@@ -82,12 +82,18 @@ def admit(params, state, inputs, rows, *, model, strategy: search.Strategy, max_
 
 def generate(params, state, want, *, model, strategy: search.Strategy):
   """Every slot stepped until `want` more slots are done than were, or all are -> (state, done [S] bool,
-  tokens [S, kept, L], scores [S, kept]): the strategy's output, final where done."""
+  tokens [S, kept, L], scores [S, kept]: the strategy's output, final where done; the steps run and the
+  sentence-steps among them (slots not done))."""
   tokens_to_logits, reorder_cache = _callbacks(*search.members(model, params))
   target = jnp.minimum(jnp.sum(strategy.done(state)) + want, state['step'].shape[0])
-  state = jax.lax.while_loop(lambda s: jnp.sum(strategy.done(s)) < target,
-                             lambda s: strategy.step(s, tokens_to_logits, reorder_cache), state)
-  return (state, strategy.done(state), *strategy.output(state))
+
+  def step(carry):
+    state, steps, busy = carry
+    return (strategy.step(state, tokens_to_logits, reorder_cache), steps + 1,
+            busy + jnp.sum(~strategy.done(state)))
+  state, steps, busy = jax.lax.while_loop(lambda carry: jnp.sum(strategy.done(carry[0])) < target, step,
+                                          (state, jnp.int32(0), jnp.int32(0)))
+  return (state, strategy.done(state), *strategy.output(state), steps, busy)
 
 
 def translate_batch(params, inputs, *, model, strategy: search.Strategy, max_extra_length: int,
@@ -168,6 +174,7 @@ class Engine:
     self.model, self.params, self.strategy = model, params, strategy
     self.slots, self.max_extra_length, self.max_positions = slots, max_extra_length, max_positions
     self.admit_rows = admit_rows
+    self.counts = collections.Counter()  # generate calls, steps, slot-steps and sentence-steps run so far
 
   def shape(self, encoded: list[list[int]]) -> 'Shape':
     """The slots, lengths and programs a translation of `encoded` runs with."""
@@ -208,8 +215,9 @@ class Engine:
           free.pop(0)
         state = compiled.admit(self.params, state, inputs, rows)
       want = min(admit_rows, len(queue)) if queue else slots
-      state, done, tokens, scores = compiled.generate(self.params, state, np.int32(want))
-      done, tokens, scores = jax.device_get((done, tokens, scores))
+      state, *outputs = compiled.generate(self.params, state, np.int32(want))
+      done, tokens, scores, steps, busy = jax.device_get(outputs)
+      self.counts.update(calls=1, steps=int(steps), slot_steps=int(steps) * slots, sentence_steps=int(busy))
       for slot in np.flatnonzero(done):
         i = occupant.pop(int(slot), None)
         if i is not None:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from flax_transformer import layers, platforms
+from flax_transformer import attention, layers, platforms
 from flax_transformer.constants import PAD_ID
 from flax_transformer.errors import ConfigError
 
@@ -93,7 +93,7 @@ class EncoderLayer(nn.Module):
 
   def setup(self):
     c = self.config
-    self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
+    self.self_attention = attention.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
                                                     c.compute_dtype, c.dropout_masks, c.attention)
     self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
     self.attention_sublayer = SublayerConnection(c)
@@ -112,9 +112,9 @@ class DecoderLayer(nn.Module):
 
   def setup(self):
     c = self.config
-    self.self_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
+    self.self_attention = attention.MultiHeadAttention(c.num_heads, c.d_model, True, c.attention_dropout_rate,
                                                     c.compute_dtype, c.dropout_masks, c.attention)
-    self.cross_attention = layers.MultiHeadAttention(c.num_heads, c.d_model, False, c.attention_dropout_rate,
+    self.cross_attention = attention.MultiHeadAttention(c.num_heads, c.d_model, False, c.attention_dropout_rate,
                                                      c.compute_dtype, c.dropout_masks, c.attention)
     self.feed_forward = layers.PositionwiseFeedForward(c.d_model, c.d_ff, c.compute_dtype)
     self.self_attention_sublayer = SublayerConnection(c)
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
     return {'self': self.self_attention.init_cache(slots, max_output_length, beam_size=beam_size), 'cross': cross}
 
   def decode_step(self, y, cache, steps, ancestry, memory_bias):
-    """y [S·n, 1, e], steps [S], ancestry [S, n, L] (layers.ancestry_bias), memory_bias [S, 1, 1, s] ->
+    """y [S·n, 1, e], steps [S], ancestry [S, n, L] (attention.ancestry_bias), memory_bias [S, 1, 1, s] ->
     ([S·n, 1, e], updated cache)."""
     new_cache = {}
 
@@ -266,7 +266,7 @@ class Transformer(nn.Module):
   def encode(self, inputs: jax.Array, deterministic: bool = True) -> jax.Array:
     """inputs [b, s] int32 (0 = padding) -> encoder output [b, s, e]."""
     x = self._embed(inputs, self.source_embedding, self.source_positions, deterministic)
-    x, _ = self.encoder(x, layers.key_lengths(inputs), deterministic)
+    x, _ = self.encoder(x, attention.key_lengths(inputs), deterministic)
     if self.config.pre_norm:
       x = self.encoder_norm(x)
     return x
@@ -275,7 +275,7 @@ class Transformer(nn.Module):
     """Teacher-forced decoder stack: encoded [b, s, e], inputs [b, s], targets [b, t] -> [b, t, e]."""
     decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=PAD_ID)[:, :-1]  # [b, t] shifted right
     y = self._embed(decoder_inputs, self.target_embedding, self.target_positions, deterministic)
-    return self.decoder(y, encoded, layers.key_lengths(inputs), deterministic)
+    return self.decoder(y, encoded, attention.key_lengths(inputs), deterministic)
 
   def decode(self, encoded: jax.Array, inputs: jax.Array, targets: jax.Array, deterministic: bool = True) -> jax.Array:
     """Teacher-forced decoder: encoded [b, s, e], inputs [b, s], targets [b, t] -> logits [b, t, v]."""
@@ -290,27 +290,27 @@ class Transformer(nn.Module):
   def memory(self, inputs: jax.Array) -> dict:
     """What a decoding slot keeps of its sentence: inputs [b, s] int32 (0 = padding) encoded and projected to
     each decoder layer's encoder-decoder keys and values, once per sentence: {'lengths': [b] real source tokens
-    (layers.key_lengths), 'layers': one {'key' [b, h, d, s], 'value' [b, h, s, d]} per decoder layer}."""
-    return {'lengths': layers.key_lengths(inputs), 'layers': self.decoder.memory(self.encode(inputs))}
+    (attention.key_lengths), 'layers': one {'key' [b, h, d, s], 'value' [b, h, s, d]} per decoder layer}."""
+    return {'lengths': attention.key_lengths(inputs), 'layers': self.decoder.memory(self.encode(inputs))}
 
   def init_cache(self, memory: dict, beam_size: int, max_output_length: int) -> dict:
     """The decoding cache of S slots, each one sentence (of `memory`, [S, ...]) decoded with `beam_size`
     hypotheses for up to `max_output_length` steps, each slot at its own step.
 
-    L is max_output_length rounded up to whole chunks of the self-attention's reads (layers.cache_steps).
-    Returns {'lengths': [S], 'ancestry': [S, n, L] int32 (layers.ancestry_bias), 'layers': one dict per decoder
+    L is max_output_length rounded up to whole chunks of the self-attention's reads (attention.cache_steps).
+    Returns {'lengths': [S], 'ancestry': [S, n, L] int32 (attention.ancestry_bias), 'layers': one dict per decoder
     layer, each {'self': {'key' [L/C, S, h, d, C·n], 'value' [L/C, S, h, C·n, d]}, 'cross': {'key' [S, h, d, s],
     'value' [S, h, s, d]}}}. The self-attention cache is flat: each hypothesis writes its keys and values at
     step t into slot t·n + its beam index, in place, and they never move; a reordered beam changes only the
     ancestry table, through which each hypothesis reads its own prefix. It is held in chunks of C steps
-    (layers.chunked_cache), the chunk index outermost, so a step reads the chunks written so far as contiguous
+    (attention.chunked_cache), the chunk index outermost, so a step reads the chunks written so far as contiguous
     blocks. Keys with d before positions, so each step's products are matrix products without transposes;
     separate per-layer buffers (not one stacked array) let each step update them in place. A slot's entries of
     steps after its own are never read (ancestry_bias), so a new sentence needs only its memory (`insert`).
     """
     slots = memory['lengths'].shape[0]
     return {'lengths': memory['lengths'],
-            'ancestry': jnp.zeros((slots, beam_size, layers.cache_steps(max_output_length)), jnp.int32),
+            'ancestry': jnp.zeros((slots, beam_size, attention.cache_steps(max_output_length)), jnp.int32),
             'layers': self.decoder.init_cache(memory['layers'], beam_size, max_output_length)}
 
   @staticmethod
@@ -338,7 +338,7 @@ class Transformer(nn.Module):
     steps = jnp.minimum(jnp.broadcast_to(steps, (slots,)), length - 1)  # a done slot stays within its cache
     ancestry = cache['ancestry'].at[jnp.arange(slots), :, steps].set(jnp.arange(n, dtype=jnp.int32))  # own slot now
     source_length = cache['layers'][0]['cross']['key'].shape[-1]
-    memory_bias = layers.attention_bias(1, source_length, cache['lengths'], causal=False)  # [S, 1, 1, s]
+    memory_bias = attention.attention_bias(1, source_length, cache['lengths'], causal=False)  # [S, 1, 1, s]
     y = self._embed(ids, self.target_embedding, self.target_positions, True, jnp.repeat(steps, n))  # [Sn, 1, e]
     y, layer_caches = self.decoder.decode_step(y, cache['layers'], steps, ancestry, memory_bias)
     return self._logits(y)[:, 0], {**cache, 'ancestry': ancestry, 'layers': layer_caches}

@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flax_transformer.constants import EOS_ID, IMPOSSIBLE_SCORE, PAD_ID
 from flax_transformer.decoding_settings import BEAM_STOPS, TOP_K

@@ -12,6 +12,7 @@ alignments through length-sorted teacher-forced batches (`translation_batches`: 
 multiples of 8). Shapes already seen reuse their compiled programs, kept for the life of the process.
 """
 
+import collections
 import functools
 import warnings
 
@@ -128,6 +129,7 @@ class Translator:
     self.model_config = configs[0]
     self.model, self.params = (models, placed) if ensemble else (models[0], placed[0])  # what search.members takes
     self.checkpoints, self.settings = tuple(checkpoints), settings
+    self.decoding_counts = collections.Counter()  # the engine's steps, slot-steps and sentence-steps so far
 
   @classmethod
   @renamed_keywords
@@ -295,6 +297,7 @@ class Translator:
     decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots,
                             max_extra_length=self.max_extra_length, max_positions=self.max_positions)
     results = decoder.run(encoded, progress, should_stop)
+    self.decoding_counts.update(decoder.counts)
     if results is None:
       return None
     return [[(tokenizer.decode_ids(self.processor, tokens), score) for tokens, score in best] for best in results]

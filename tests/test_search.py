@@ -1,7 +1,6 @@
 """Cached decoding equals full recomputation; beam search against brute force."""
 
 import dataclasses
-import functools
 import itertools
 import re
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flax_transformer import engine, layers, search
+from flax_transformer import attention, engine, search
 from flax_transformer.model import Transformer
 from tests.conftest import random_batch
 
@@ -344,7 +343,7 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), inputs, inputs)['params'])
   text = engine.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
   h, d = small_model_config.num_heads, small_model_config.d_model // small_model_config.num_heads
-  chunks, width = length // layers.CACHE_CHUNK_STEPS, layers.CACHE_CHUNK_STEPS * n
+  chunks, width = length // attention.CACHE_CHUNK_STEPS, attention.CACHE_CHUNK_STEPS * n
   shapes = {f'f32[{chunks},{b},{h},{d},{width}]', f'f32[{chunks},{b},{h},{width},{d}]'}
   blocks = _hlo_computations(text)
   bodies = set(re.findall(r'while\([^\n]*?body=%([\w.\-]+)', text))
