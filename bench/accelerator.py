@@ -10,7 +10,9 @@ tokens (and as many source tokens) in sentences of 64 tokens, all real, dropout 
 median of `--steps` steps after two warm-up steps. Model FLOPs: plan.analytic_flops. The plan's columns: its
 step time at 40% of the measured bf16 peak, and its per-device memory (parameters + Adam + XLA:CPU's
 temporaries) beside this device's compiler's. Decoding: beam 4, 128 random sources of 32 tokens, exactly 64 generated tokens each (EOS
-disabled), random weights. Prints markdown tables; the last line is one JSON object.
+disabled), random weights; and the decoding engine (engine.py) at beam 4 on 2,048 sources of newstest-like
+lengths, each output as long as its source, at 64 and 512 slots. Prints markdown tables; the last line is one
+JSON object.
 """
 
 import argparse
@@ -21,6 +23,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -98,6 +102,42 @@ def time_beam_search(jax, shape: dict, dtype: str, batch: int, source_length: in
   return statistics.median(times)
 
 
+def newstest_lengths(count: int, rng) -> list[int]:
+  """Source lengths in subword tokens shaped as newstest2014's (EN, a 32k joint BPE): mean ~30, a long right
+  tail, 2 to 120."""
+  return [int(x) for x in np.clip(np.round(rng.lognormal(3.25, 0.55, count)), 2, 120)]
+
+
+def time_engine(jax, shape: dict, dtype: str, sentences: int, slots: int) -> tuple[float, int]:
+  """Seconds (median of 3) for the decoding engine to translate `sentences` random sources of newstest-like
+  lengths with beam 4 through `slots` slots, each output as long as its source (max_extra_length 0; random
+  weights all but never choose EOS), and the target tokens generated."""
+  import flax.linen as nn
+  from configs import base
+  from flax_transformer import engine, search, settings
+  from flax_transformer.model import Transformer
+  run_config = base.get_config()
+  m = run_config.model
+  m.vocab_size, m.d_model, m.num_heads, m.d_ff = shape['vocab'], shape['d_model'], shape['heads'], shape['d_ff']
+  m.num_encoder_layers = m.num_decoder_layers = shape['layers']
+  m.max_positions, m.dtype = 256, dtype
+  resolved = settings.resolve(run_config)
+  model = Transformer(resolved.model)
+  rng = np.random.default_rng(0)
+  encoded = [list(rng.integers(3, shape['vocab'], length)) for length in newstest_lengths(sentences, rng)]
+  probe = np.ones((1, 8), np.int32)
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), probe, probe)['params'])
+  strategy = search.BeamSearch(4, 0.6, resolved.decode.beam_top_k)
+  decoder = engine.Engine(model, params, strategy, slots=slots, max_extra_length=0, max_positions=256)
+  results = decoder.run(encoded)
+  times = []
+  for _ in range(3):
+    start = time.perf_counter()
+    decoder.run(encoded)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), sum(int((tokens > 0).sum()) for (tokens, _), *_ in results)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--shapes', default='base,big')
@@ -148,6 +188,18 @@ def main():
       seconds = time_beam_search(jax, SHAPES[name], dtype, batch, source_length, output_length)
       print(f'| {name} | {dtype} | {batch / seconds:,.1f} | {batch * output_length / seconds:,.0f} |', flush=True)
       results.append({'shape': name, 'dtype': dtype, 'beam4_sentences_per_second': round(batch / seconds, 1)})
+  sentences = 16 if args.smoke else 2048
+  print(f'\nthe decoding engine, beam 4: {sentences} sources of newstest-like lengths, each output as long as '
+        f'its source\n')
+  print('| shape | dtype | slots | sentences/s | target tokens/s |\n|---|---|---|---|---|')
+  for name in shapes:
+    for dtype in dtypes:
+      for slots in ((8,) if args.smoke else (64, 512)):
+        seconds, tokens = time_engine(jax, SHAPES[name], dtype, sentences, slots)
+        print(f'| {name} | {dtype} | {slots} | {sentences / seconds:,.1f} | {tokens / seconds:,.0f} |', flush=True)
+        results.append({'shape': name, 'dtype': dtype, 'engine_slots': slots,
+                        'engine_sentences_per_second': round(sentences / seconds, 1),
+                        'engine_target_tokens_per_second': round(tokens / seconds)})
   memory = peak_memory_gb(jax)
   if memory is not None:
     print(f'\npeak device memory: {memory:.1f} GiB')

@@ -6,11 +6,12 @@ queue as sentences finish, so that the batch never empties until the input does.
 
 Two compiled programs do the work (MaxText's `insert` and `generate`; vLLM's continuous batching): `admit`
 encodes a few sentences (`memory`: the encoder and each layer's encoder-decoder keys and values, once per
-sentence) and starts them in free slots; `generate` steps every slot until enough are done to be worth
+sentence, at their own length rounded up to 16) and starts them in free slots; `generate` steps every slot until enough are done to be worth
 refilling (or all are). Between calls the host takes the done slots' results and admits the next sentences,
 longest first, so the last ones to finish are short. The state is donated, so both update it in place.
-A translation compiles one pair of programs per (slots, source length rounded up to 16, strategy); fewer
-sentences than slots take fewer slots (a power of two from 8).
+A translation compiles one `generate` per (slots, longest source rounded up to 16, strategy) and one `admit` per
+source length it encodes (multiples of 16 up to the longest); fewer sentences than slots take fewer slots (a
+power of two from 8).
 """
 
 import collections
@@ -208,7 +209,8 @@ class Engine:
       while queue and free:
         taken = [queue.popleft() for _ in range(min(admit_rows, len(queue), len(free)))]
         rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
-        inputs = np.zeros((admit_rows, source_length), np.int32)
+        width = -(-max(len(sources[i]) for i in taken) // SOURCE_ROUNDING) * SOURCE_ROUNDING  # encoded this long
+        inputs = np.zeros((admit_rows, width), np.int32)
         for row, i in enumerate(taken):
           rows[row], occupant[int(free[0])] = free[0], i
           inputs[row, :len(sources[i])] = sources[i]

@@ -24,7 +24,7 @@ if __name__ == '__main__':  # python -m flax_transformer.export: the program, be
 import numpy as np  # noqa: E402
 
 from flax_transformer import storage  # noqa: E402
-from flax_transformer.layers import without_key_bias  # noqa: E402
+from flax_transformer.attention import without_key_bias  # noqa: E402
 from flax_transformer.errors import UserError  # noqa: E402
 
 POSITION_ROWS = 1024  # the shortest position table exported

@@ -315,10 +315,13 @@ class Transformer(nn.Module):
 
   @staticmethod
   def insert(cache: dict, memory: dict, rows: jax.Array) -> dict:
-    """The cache with slots `rows` [P] holding the sentences of `memory` ([P, ...], from `memory`); a row index
-    of S (a padding row) is left out."""
+    """The cache with slots `rows` [P] holding the sentences of `memory` ([P, ...], from `memory`, of sources
+    up to the cache's length: the rest is padding, hidden by the lengths); a row index of S (a padding row) is
+    left out."""
     def put(tree, new):
-      return jax.tree_util.tree_map(lambda x, y: x.at[rows].set(y, mode='drop'), tree, new)
+      def padded(x, y):  # y's source axis (the one that differs) padded with zeros to x's; rows as they are
+        return jnp.pad(y, [(0, 0)] + [(0, a - b) for a, b in zip(x.shape[1:], y.shape[1:])])
+      return jax.tree_util.tree_map(lambda x, y: x.at[rows].set(padded(x, y), mode='drop'), tree, new)
     return {**cache, 'lengths': put(cache['lengths'], memory['lengths']),
             'layers': tuple({**layer, 'cross': put(layer['cross'], cross)}
                             for layer, cross in zip(cache['layers'], memory['layers']))}

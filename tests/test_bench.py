@@ -28,6 +28,8 @@ def test_gpu_benchmark_smoke_run():
     assert run['step_seconds'] > 0 and run['planned_step_seconds'] > 0
     assert run['device_bytes'] > 0 and run['planned_bytes'] > 0
   assert any('beam4_sentences_per_second' in run for run in summary['runs'])
+  engine = [run for run in summary['runs'] if 'engine_sentences_per_second' in run]
+  assert engine and all(run['engine_target_tokens_per_second'] > run['engine_sentences_per_second'] > 0 for run in engine)
 
 
 @pytest.mark.slow
