@@ -92,7 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.length_penalty_alpha = 0.6
   config.max_extra_length = 50  # Maximum output length = input length + 50.
   config.beam_stop = 'bound'  # A sentence's beam stops once no live hypothesis can beat its best ended one.
-  config.decode_slots = 64  # Sentences decoded at once by the engine, each refilled as it finishes.
+  config.decode_slots = 128  # Sentences decoded at once by the engine, each refilled as it finishes.
   config.average_last = 5  # Checkpoints averaged for the final model (base: 5).
   config.beam_top_k = 'auto'  # 'two_stage' (block maxima first, faster on CPU) or 'lax' (jax.lax.top_k); auto: by platform.
 

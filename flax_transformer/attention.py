@@ -49,14 +49,20 @@ def ancestry_bias(ancestry: jax.Array, step: jax.Array, first_step: jax.Array | 
   return jnp.where(visible, 0.0, ATTENTION_MASK_VALUE).astype(jnp.float32).reshape(batch, 1, n, length * n)
 
 
-# Steps of the flat self-attention cache that one pass of flat_cache_attention reads: a step reads only the
-# chunks written so far (the output ends long before the input + 50 steps the cache is sized for).
-CACHE_CHUNK_STEPS = 8
+# Slots (steps × hypotheses) of the flat self-attention cache that one pass of flat_cache_attention reads: a
+# step reads only the chunks written so far (the output ends long before the input + 50 steps the cache is
+# sized for). 8 steps of a beam of 4, 32 of greedy search: as few passes as a step's few columns allow.
+CACHE_CHUNK_COLUMNS = 32
 
 
-def cache_steps(max_output_length: int) -> int:
+def chunk_steps(beam_size: int) -> int:
+  """The steps of one chunk of the flat cache of `beam_size` hypotheses a sentence."""
+  return max(1, CACHE_CHUNK_COLUMNS // beam_size)
+
+
+def cache_steps(max_output_length: int, beam_size: int) -> int:
   """The steps a flat self-attention cache holds for `max_output_length`: whole chunks."""
-  return -(-max_output_length // CACHE_CHUNK_STEPS) * CACHE_CHUNK_STEPS
+  return -(-max_output_length // chunk_steps(beam_size)) * chunk_steps(beam_size)
 
 
 def flat_cache_attention(query, key, value, ancestry, step):
@@ -90,13 +96,13 @@ def flat_cache_attention(query, key, value, ancestry, step):
   return context / total[..., None]  # [b, h, n, d]
 
 
-def chunked_cache(key: jax.Array, value: jax.Array, n: int, chunk_steps: int = CACHE_CHUNK_STEPS):
+def chunked_cache(key: jax.Array, value: jax.Array, n: int):
   """A flat cache key [b, h, d, L·n], value [b, h, L·n, d] as the chunks flat_cache_attention reads: key
-  [L/C, b, h, d, C·n], value [L/C, b, h, C·n, d] (C = chunk_steps; L a multiple of it)."""
+  [L/C, b, h, d, C·n], value [L/C, b, h, C·n, d] (C = chunk_steps(n); L a multiple of it)."""
   batch, heads, d, slots = key.shape
-  chunks = slots // (chunk_steps * n)
-  return (key.reshape(batch, heads, d, chunks, chunk_steps * n).transpose(3, 0, 1, 2, 4),
-          value.reshape(batch, heads, chunks, chunk_steps * n, d).transpose(2, 0, 1, 3, 4))
+  width = chunk_steps(n) * n
+  return (key.reshape(batch, heads, d, slots // width, width).transpose(3, 0, 1, 2, 4),
+          value.reshape(batch, heads, slots // width, width, d).transpose(2, 0, 1, 3, 4))
 
 
 def whole_cache(key: jax.Array, value: jax.Array):
@@ -234,7 +240,8 @@ class MultiHeadAttention(nn.Module):
     to whole chunks, cache_steps) of `beam_size` hypotheses each, in chunks of C steps (chunked_cache: keys
     [L/C, S, h, d, C·n], values [L/C, S, h, C·n, d])."""
     h, d = self.num_heads, self.d_model // self.num_heads
-    chunks, width = cache_steps(max_output_length) // CACHE_CHUNK_STEPS, CACHE_CHUNK_STEPS * beam_size
+    steps = chunk_steps(beam_size)
+    chunks, width = cache_steps(max_output_length, beam_size) // steps, steps * beam_size
     return {'key': jnp.zeros((chunks, slots, h, d, width), self.dtype),
             'value': jnp.zeros((chunks, slots, h, width, d), self.dtype)}
 
@@ -257,7 +264,8 @@ class MultiHeadAttention(nn.Module):
     slots = cache['key'].shape[1]
     query, key, value = (y.reshape(slots, -1, h, d) for y in self._project(x[:, 0], 'qkv'))  # each [S, n, h, d]
     n, ancestry = query.shape[1], context
-    chunk, columns = steps // CACHE_CHUNK_STEPS, steps[:, None] % CACHE_CHUNK_STEPS * n + jnp.arange(n)  # [S], [S, n]
+    per_chunk = chunk_steps(n)
+    chunk, columns = steps // per_chunk, steps[:, None] % per_chunk * n + jnp.arange(n)  # [S], [S, n]
     rows = jnp.arange(slots)[:, None]  # [S, 1]: each slot writes its own step's n columns
     cache = {'key': cache['key'].at[chunk[:, None], rows, :, :, columns].set(key),  # [L/C, S, h, d, C·n]
              'value': cache['value'].at[chunk[:, None], rows, :, columns, :].set(value)}  # [L/C, S, h, C·n, d]

@@ -36,7 +36,7 @@ class DecodeSettings:
                             "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.",
                             choices=TOP_K + ('auto',), before='auto', default='auto')
   decode_slots: int = setting('Sentences the decoding engine decodes at once (engine.py), each with its beam; '
-                              'a finished one hands its slot to the next.', minimum=1, before=64, default=64)
+                              'a finished one hands its slot to the next.', minimum=1, before=128, default=128)
   eval_tokens_per_batch: int = setting('Source tokens of a batch scored or aligned under teacher forcing, and of '
                                        'a validation loss batch.', minimum=1, default=8192)
   bleu_tokenize: str = setting("sacreBLEU's tokenizer for validation BLEU and translate.py --reference ('none': "

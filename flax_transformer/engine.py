@@ -4,14 +4,15 @@ queue as sentences finish, so that the batch never empties until the input does.
     engine = Engine(model, params, search.BeamSearch(4, 0.6), slots=64, max_extra_length=50, max_positions=256)
     engine.run(encoded)  # per sentence: [(token ids, score), ...], best first
 
-Two compiled programs do the work (MaxText's `insert` and `generate`; vLLM's continuous batching): `admit`
-encodes a few sentences (`memory`: the encoder and each layer's encoder-decoder keys and values, once per
-sentence, at their own length rounded up to 16) and starts them in free slots; `generate` steps every slot until enough are done to be worth
+Three compiled programs do the work (MaxText's `prefill`, `insert` and `generate`; vLLM's continuous
+batching): `encode` runs the encoder over the next `slots` sentences at once (`memory`: each layer's
+encoder-decoder keys and values, once per sentence, at the length of the longest of them rounded up to 16),
+`admit` starts a few of them in free slots, and `generate` steps every slot until enough are done to be worth
 refilling (or all are). Between calls the host takes the done slots' results and admits the next sentences,
-longest first, so the last ones to finish are short. The state is donated, so both update it in place.
-A translation compiles one `generate` per (slots, longest source rounded up to 16, strategy) and one `admit` per
-source length it encodes (multiples of 16 up to the longest); fewer sentences than slots take fewer slots (a
-power of two from 8).
+longest first, so the last ones to finish are short. The state is donated: admit and generate update it in
+place. A translation compiles one `generate` per (slots, longest source rounded up to 16, strategy) and one
+`encode` and one `admit` per source length it encodes (multiples of 16 up to the longest); fewer sentences than
+slots take fewer slots (a power of two from 8).
 """
 
 import collections
@@ -71,14 +72,23 @@ def empty(params, *, model, strategy: search.Strategy, slots: int, source_length
           'cache': _caches(models, member_params, memories, strategy.width, max_output_length)}
 
 
-def admit(params, state, inputs, rows, *, model, strategy: search.Strategy, max_extra_length: int,
-          max_output_length: int):
-  """The state with the sentences inputs [P, s] (right-padded ids ending in EOS; an all-padding row: none)
-  started in slots `rows` [P] (S for a padding row)."""
+def encode(params, inputs, *, model) -> tuple:
+  """What the slots keep of the sentences inputs [B, w] (right-padded ids ending in EOS): each member's `memory`
+  (the encoder and each layer's encoder-decoder keys and values), encoded together ahead of their admission."""
   models, member_params = search.members(model, params)
-  caches = tuple(type(m).insert(c, m.apply({'params': p}, inputs, method=m.memory), rows)
-                 for m, p, c in zip(models, member_params, state['cache']))
-  return strategy.start({**state, 'cache': caches}, rows, _max_lengths(inputs, max_extra_length, max_output_length))
+  return tuple(m.apply({'params': p}, inputs, method=m.memory) for m, p in zip(models, member_params))
+
+
+def admit(params, state, memories, picks, rows, *, model, strategy: search.Strategy, max_extra_length: int,
+          max_output_length: int):
+  """The state with the encoded sentences `picks` [P] of `memories` (from `encode`) started in slots `rows` [P]
+  (S for a padding row, left out); each may produce its source length (EOS included) + max_extra_length tokens."""
+  del params
+  models, _ = search.members(model, ())
+  chosen = tuple(jax.tree_util.tree_map(lambda x: x[picks], memory) for memory in memories)
+  caches = tuple(type(m).insert(c, memory, rows) for m, c, memory in zip(models, state['cache'], chosen))
+  max_lengths = jnp.minimum(chosen[0]['lengths'] + max_extra_length, max_output_length)
+  return strategy.start({**state, 'cache': caches}, rows, max_lengths)
 
 
 def generate(params, state, want, *, model, strategy: search.Strategy):
@@ -129,6 +139,7 @@ def jitted_translate(model, beam_size: int, length_penalty_alpha: float, max_ext
 class Programs:
   """The compiled programs of one engine shape."""
   empty: callable
+  encode: callable
   admit: callable
   generate: callable
 
@@ -140,6 +151,7 @@ def programs(model, strategy: search.Strategy, slots: int, source_length: int, m
   return Programs(
       empty=jax.jit(functools.partial(empty, model=model, strategy=strategy, slots=slots, source_length=source_length,
                                       max_output_length=max_output_length)),
+      encode=jax.jit(functools.partial(encode, model=model)),
       admit=jax.jit(functools.partial(admit, model=model, strategy=strategy, max_extra_length=max_extra_length,
                                       max_output_length=max_output_length), donate_argnums=(1,)),
       generate=jax.jit(functools.partial(generate, model=model, strategy=strategy), donate_argnums=(1,)))
@@ -203,20 +215,27 @@ class Engine:
     compiled = shape.programs
     state = compiled.empty(self.params)
     free, occupant = list(range(slots)), {}
-    while queue or occupant:
+    encoded_ahead, ahead = None, []  # the next sentences, encoded together: their memories and indices
+    while queue or ahead or occupant:
       if should_stop and should_stop():
         return None
-      while queue and free:
-        taken = [queue.popleft() for _ in range(min(admit_rows, len(queue), len(free)))]
+      while (queue or ahead) and free:
+        if not ahead:  # the next `slots` sentences in one encoder call (they have similar lengths)
+          ahead = [queue.popleft() for _ in range(min(slots, len(queue)))]
+          width = -(-len(sources[ahead[0]]) // SOURCE_ROUNDING) * SOURCE_ROUNDING  # the longest of them
+          inputs = np.zeros((slots, width), np.int32)
+          for row, i in enumerate(ahead):
+            inputs[row, :len(sources[i])] = sources[i]
+          encoded_ahead, first = compiled.encode(self.params, inputs), len(ahead)
+        count = min(admit_rows, len(ahead), len(free))
+        picks = np.zeros((admit_rows,), np.int32)
         rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
-        width = -(-max(len(sources[i]) for i in taken) // SOURCE_ROUNDING) * SOURCE_ROUNDING  # encoded this long
-        inputs = np.zeros((admit_rows, width), np.int32)
-        for row, i in enumerate(taken):
-          rows[row], occupant[int(free[0])] = free[0], i
-          inputs[row, :len(sources[i])] = sources[i]
-          free.pop(0)
-        state = compiled.admit(self.params, state, inputs, rows)
-      want = min(admit_rows, len(queue)) if queue else slots
+        for row in range(count):
+          picks[row], rows[row] = first - len(ahead), free.pop(0)
+          occupant[int(rows[row])] = ahead.pop(0)
+        state = compiled.admit(self.params, state, encoded_ahead, picks, rows)
+      waiting = len(queue) + len(ahead)
+      want = min(admit_rows, waiting) if waiting else slots
       state, *outputs = compiled.generate(self.params, state, np.int32(want))
       done, tokens, scores, steps, busy = jax.device_get(outputs)
       self.counts.update(calls=1, steps=int(steps), slot_steps=int(steps) * slots, sentence_steps=int(busy))

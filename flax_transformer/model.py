@@ -310,7 +310,7 @@ class Transformer(nn.Module):
     """
     slots = memory['lengths'].shape[0]
     return {'lengths': memory['lengths'],
-            'ancestry': jnp.zeros((slots, beam_size, attention.cache_steps(max_output_length)), jnp.int32),
+            'ancestry': jnp.zeros((slots, beam_size, attention.cache_steps(max_output_length, beam_size)), jnp.int32),
             'layers': self.decoder.init_cache(memory['layers'], beam_size, max_output_length)}
 
   @staticmethod

@@ -37,7 +37,7 @@ def test_attention_through_an_ancestry_equals_attention_over_the_explicitly_gath
   hypothesis j through a random ancestry (chunk by chunk, two chunks here), equal softmax attention over j's own
   prefix gathered slot by slot; each sentence at its own step."""
   b, n, h, d = 2, 3, 2, 4
-  length, steps = 2 * attention.CACHE_CHUNK_STEPS, np.array([attention.CACHE_CHUNK_STEPS + 3, 2], np.int32)
+  length, steps = 2 * attention.chunk_steps(n), np.array([attention.chunk_steps(n) + 3, 2], np.int32)
   layer = attention.MultiHeadAttention(h, h * d, True)
   x = jnp.asarray(np_rng.normal(size=(b * n, 1, h * d)), jnp.float32)
   params = jax.jit(layer.init)(jax.random.key(0), x, None)

@@ -343,7 +343,7 @@ def test_no_step_of_the_compiled_beam_search_writes_a_whole_cache_buffer(small_m
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), inputs, inputs)['params'])
   text = engine.jitted_translate(model, n, 0.6, 6, length).lower(params, inputs).compile().as_text()
   h, d = small_model_config.num_heads, small_model_config.d_model // small_model_config.num_heads
-  chunks, width = length // attention.CACHE_CHUNK_STEPS, attention.CACHE_CHUNK_STEPS * n
+  chunks, width = length // attention.chunk_steps(n), attention.chunk_steps(n) * n
   shapes = {f'f32[{chunks},{b},{h},{d},{width}]', f'f32[{chunks},{b},{h},{width},{d}]'}
   blocks = _hlo_computations(text)
   bodies = set(re.findall(r'while\([^\n]*?body=%([\w.\-]+)', text))
