@@ -202,7 +202,7 @@ def translate(f, argv: list[str] = ()) -> None:
   from flax_transformer import evaluation, parallel_text, platforms, storage
 
   check_flags(f, argv)
-  platforms.enable_compilation_cache()  # each batch shape's search compiled once, for every later translation
+  platforms.enable_compilation_cache()  # each engine program compiled once, for every later translation
   references = parallel_text.read_lines(f.reference) if f.reference else None
   sources = None if f.input == '-' else parallel_text.read_lines(f.input)
   if sources is not None and references is not None and len(references) != len(sources):
