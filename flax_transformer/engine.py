@@ -28,6 +28,20 @@ from flax_transformer.constants import EOS_ID
 
 SOURCE_ROUNDING = 16  # source lengths are rounded up to a multiple of this: a few shapes, a few compilations
 SMALLEST_SLOTS = 8
+SLOT_AXIS = 'slots'  # the mesh axis a translation's slots are spread over (one sentence never spans devices)
+
+
+def spread(state, mesh):
+  """`state` with its slots spread over `mesh` (None: as it is): every leaf's slot axis (the first; the second
+  of the flat self-attention cache, whose chunks come first) sharded over SLOT_AXIS."""
+  if mesh is None:
+    return state
+
+  def place(path, leaf):
+    axis = 1 if any(getattr(key, 'key', None) == 'self' for key in path) else 0
+    spec = jax.sharding.PartitionSpec(*([None] * axis), SLOT_AXIS)
+    return jax.lax.with_sharding_constraint(leaf, jax.sharding.NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map_with_path(place, state)
 
 
 def decode_length(source_length: int, max_extra_length: int, max_positions: int) -> int:
@@ -61,15 +75,17 @@ def _caches(models, member_params, memories, width: int, max_output_length: int)
                for m, p, memory in zip(models, member_params, memories))
 
 
-def empty(params, *, model, strategy: search.Strategy, slots: int, source_length: int, max_output_length: int):
-  """The state of `slots` empty slots for sources of `source_length` tokens and outputs of `max_output_length`."""
+def empty(params, *, model, strategy: search.Strategy, slots: int, source_length: int, max_output_length: int,
+          mesh=None):
+  """The state of `slots` empty slots for sources of `source_length` tokens and outputs of `max_output_length`,
+  spread over `mesh`."""
   models, member_params = search.members(model, params)
   inputs = jnp.zeros((slots, source_length), jnp.int32)
   memories = [jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
                                      jax.eval_shape(lambda: m.apply({'params': p}, inputs, method=m.memory)))
               for m, p in zip(models, member_params)]
-  return {**strategy.initial(slots, max_output_length),
-          'cache': _caches(models, member_params, memories, strategy.width, max_output_length)}
+  return spread({**strategy.initial(slots, max_output_length),
+                 'cache': _caches(models, member_params, memories, strategy.width, max_output_length)}, mesh)
 
 
 def encode(params, inputs, *, model) -> tuple:
@@ -80,7 +96,7 @@ def encode(params, inputs, *, model) -> tuple:
 
 
 def admit(params, state, memories, picks, rows, *, model, strategy: search.Strategy, max_extra_length: int,
-          max_output_length: int):
+          max_output_length: int, mesh=None):
   """The state with the encoded sentences `picks` [P] of `memories` (from `encode`) started in slots `rows` [P]
   (S for a padding row, left out); each may produce its source length (EOS included) + max_extra_length tokens."""
   del params
@@ -88,10 +104,10 @@ def admit(params, state, memories, picks, rows, *, model, strategy: search.Strat
   chosen = tuple(jax.tree_util.tree_map(lambda x: x[picks], memory) for memory in memories)
   caches = tuple(type(m).insert(c, memory, rows) for m, c, memory in zip(models, state['cache'], chosen))
   max_lengths = jnp.minimum(chosen[0]['lengths'] + max_extra_length, max_output_length)
-  return strategy.start({**state, 'cache': caches}, rows, max_lengths)
+  return spread(strategy.start({**state, 'cache': caches}, rows, max_lengths), mesh)
 
 
-def generate(params, state, want, *, model, strategy: search.Strategy):
+def generate(params, state, want, *, model, strategy: search.Strategy, mesh=None):
   """Every slot stepped until `want` more slots are done than were, or all are -> (state, done [S] bool,
   tokens [S, kept, L], scores [S, kept]: the strategy's output, final where done; the steps run and the
   sentence-steps among them (slots not done))."""
@@ -104,7 +120,7 @@ def generate(params, state, want, *, model, strategy: search.Strategy):
             busy + jnp.sum(~strategy.done(state)))
   state, steps, busy = jax.lax.while_loop(lambda carry: jnp.sum(strategy.done(carry[0])) < target, step,
                                           (state, jnp.int32(0), jnp.int32(0)))
-  return (state, strategy.done(state), *strategy.output(state), steps, busy)
+  return (spread(state, mesh), strategy.done(state), *strategy.output(state), steps, busy)
 
 
 def translate_batch(params, inputs, *, model, strategy: search.Strategy, max_extra_length: int,
@@ -146,15 +162,16 @@ class Programs:
 
 @functools.lru_cache(maxsize=None)
 def programs(model, strategy: search.Strategy, slots: int, source_length: int, max_output_length: int,
-             max_extra_length: int) -> Programs:
-  """One shape's programs, kept for the life of the process (and in JAX's persistent compilation cache)."""
+             max_extra_length: int, mesh=None) -> Programs:
+  """One shape's programs, kept for the life of the process (and in JAX's persistent compilation cache); with
+  a `mesh`, the slots spread over its devices."""
   return Programs(
       empty=jax.jit(functools.partial(empty, model=model, strategy=strategy, slots=slots, source_length=source_length,
-                                      max_output_length=max_output_length)),
+                                      max_output_length=max_output_length, mesh=mesh)),
       encode=jax.jit(functools.partial(encode, model=model)),
       admit=jax.jit(functools.partial(admit, model=model, strategy=strategy, max_extra_length=max_extra_length,
-                                      max_output_length=max_output_length), donate_argnums=(1,)),
-      generate=jax.jit(functools.partial(generate, model=model, strategy=strategy), donate_argnums=(1,)))
+                                      max_output_length=max_output_length, mesh=mesh), donate_argnums=(1,)),
+      generate=jax.jit(functools.partial(generate, model=model, strategy=strategy, mesh=mesh), donate_argnums=(1,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,23 +185,25 @@ class Shape:
   programs: Programs
 
 
-def slot_count(sentences: int, slots: int) -> int:
-  """The slots a translation of `sentences` takes: at most `slots`, else the power of two from 8 that holds them."""
+def slot_count(sentences: int, slots: int, devices: int = 1) -> int:
+  """The slots a translation of `sentences` takes: at most `slots`, else the power of two from 8 that holds them;
+  a multiple of `devices` (each device the same number)."""
   count = SMALLEST_SLOTS
   while count < min(sentences, slots):
     count *= 2
-  return min(count, max(slots, 1))
+  return -(-min(count, max(slots, 1)) // devices) * devices
 
 
 class Engine:
   """A model (or an ensemble: tuples of models and parameters), its parameters and a strategy, decoding lists of
   encoded sentences through `slots` slots (see the module docstring). `admit_rows`: the sentences admitted at
   once, and the done slots a `generate` call waits for while sentences are waiting (default: an eighth of the
-  slots)."""
+  slots). `mesh`: a one-axis (SLOT_AXIS) mesh whose devices share the slots, the parameters replicated on each
+  (`decoding_mesh`); None: one device."""
 
   def __init__(self, model, params, strategy: search.Strategy, *, slots: int, max_extra_length: int,
-               max_positions: int, admit_rows: int | None = None):
-    self.model, self.params, self.strategy = model, params, strategy
+               max_positions: int, admit_rows: int | None = None, mesh=None):
+    self.model, self.params, self.strategy, self.mesh = model, params, strategy, mesh
     self.slots, self.max_extra_length, self.max_positions = slots, max_extra_length, max_positions
     self.admit_rows = admit_rows
     self.counts = collections.Counter()  # generate calls, steps, slot-steps and sentence-steps run so far
@@ -192,11 +211,11 @@ class Engine:
   def shape(self, encoded: list[list[int]]) -> 'Shape':
     """The slots, lengths and programs a translation of `encoded` runs with."""
     longest = min(max(map(len, encoded)), self.max_positions - 1) + 1  # with EOS
-    slots = slot_count(sum(1 for ids in encoded if ids), self.slots)
+    slots = slot_count(sum(1 for ids in encoded if ids), self.slots, self.mesh.size if self.mesh else 1)
     source_length = -(-longest // SOURCE_ROUNDING) * SOURCE_ROUNDING
     length = decode_length(source_length, self.max_extra_length, self.max_positions)
     return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
-                 programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length))
+                 programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length, self.mesh))
 
   def run(self, encoded: list[list[int]], progress=None, should_stop=None):
     """Each sentence's results (ids without EOS, cut at the model's max_positions - 1; none: []), in order:
@@ -248,3 +267,15 @@ class Engine:
       if progress:
         progress(finished, total)
     return results
+
+
+def decoding_mesh(devices: int | None = None):
+  """The mesh a translation spreads its slots over: the first `devices` local devices; None: every local
+  accelerator, or one device on a CPU (whose devices, when XLA is told to make several, share the same cores).
+  None for one device."""
+  from flax_transformer.errors import UserError
+  local = jax.local_devices()
+  count = devices or (1 if local[0].platform == 'cpu' else len(local))
+  if not 1 <= count <= len(local):
+    raise UserError(f'devices={devices}: this process has {len(local)} local device(s); give 1 to {len(local)}')
+  return None if count == 1 else jax.sharding.Mesh(np.array(local[:count]), (SLOT_AXIS,))

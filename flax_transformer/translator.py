@@ -112,16 +112,21 @@ class Translator:
       top-k path, batch budget); default: §6.1's, or a run's when loaded from a workdir.
     **changes: decoding settings by name, over `decoding` (e.g. beam_size=1 for greedy search), each checked.
     checkpoints: the checkpoint steps the parameters come from (reported only; per member for an ensemble).
+    devices: the local devices that share the decoding engine's slots, each holding the whole model
+      (engine.decoding_mesh; default: every local accelerator, one device on a CPU).
     settings: the run's settings when loaded from a workdir (its BLEU tokenizer, dataset), else None.
   """
 
   @renamed_keywords
   def __init__(self, params, model_config, processor, *, decoding: DecodeSettings | None = None,
-               checkpoints: tuple = (), settings: Settings | None = None, **changes):
+               checkpoints: tuple = (), settings: Settings | None = None, devices: int | None = None, **changes):
     self.decoding = settings_.decoding_for((decoding or DecodeSettings()).replace(**changes))  # 'auto' made
+    self.mesh = engine.decoding_mesh(devices)
     ensemble = isinstance(model_config, (list, tuple))
     configs = tuple(model_config) if ensemble else (model_config,)
-    placed = tuple(p if _on_devices(p) else jax.device_put(p) for p in (params if ensemble else [params]))
+    everywhere = self.mesh and jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())  # replicated
+    placed = tuple(jax.device_put(p, everywhere) if everywhere else p if _on_devices(p) else jax.device_put(p)
+                   for p in (params if ensemble else [params]))
     if len(placed) != len(configs) or not configs:
       raise UserError(f'an ensemble needs one parameter tree per model config: got {len(placed)} and {len(configs)}')
     models = tuple(Transformer(c) for c in configs)
@@ -180,7 +185,8 @@ class Translator:
         raise UserError(f'{workdir} has another vocabulary than {workdirs[0]} ({differs}); an ensemble decodes one '
                         f'vocabulary: train its models with --config.vocab_path set to one sentencepiece.model')
     return cls([t.params for t in loaded], [t.model_config for t in loaded], first.processor,
-               decoding=first.decoding, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings)
+               decoding=first.decoding, checkpoints=tuple(t.checkpoints for t in loaded), settings=first.settings,
+               devices=kwargs.get('devices'))
 
   beam_size = property(lambda self: self.decoding.beam_size)
   length_penalty_alpha = property(lambda self: self.decoding.length_penalty_alpha)
@@ -294,7 +300,7 @@ class Translator:
     alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
     self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as the settings are
     strategy = search.strategy_for(beam_size, alpha, self.beam_top_k, num_results, self.beam_stop)
-    decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots,
+    decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots, mesh=self.mesh,
                             max_extra_length=self.max_extra_length, max_positions=self.max_positions)
     results = decoder.run(encoded, progress, should_stop)
     self.decoding_counts.update(decoder.counts)

@@ -196,3 +196,32 @@ def test_an_ensemble_of_two_models_scores_the_mean_of_their_log_probabilities(tr
   np.testing.assert_allclose(ensemble.score(sources, targets), expected, rtol=1e-4)
   with pytest.raises(UserError, match='alignments come from one model'):
     ensemble.alignments(sources, targets)
+
+
+def test_slots_spread_over_eight_devices_translate_as_one_device_does(translator):
+  """The engine's slots sharded over the suite's 8 CPU devices (the parameters replicated on each): the same
+  translations, n-best lists and scores as one device, for beam search, greedy search and an ensemble."""
+  assert jax.local_device_count() == 8
+  params, config = translator.params, translator.model_config
+  spread = Translator(params, config, translator.processor, beam_size=2, length_penalty_alpha=0.6,
+                      max_extra_length=4, devices=8)
+  assert spread.mesh.size == 8 and len(jax.tree_util.tree_leaves(spread.params)[0].sharding.device_set) == 8
+  decoder = engine.Engine(spread.model, spread.params, search.BeamSearch(2), slots=16, max_extra_length=4,
+                          max_positions=128, mesh=spread.mesh)
+  state = decoder.shape(spread.encode(LINES)).programs.empty(spread.params)
+  shards = state['live_tokens'].addressable_shards  # [S, n, L + 1] spread: S / 8 slots on each device
+  assert len(shards) == 8 and {shard.data.shape[0] for shard in shards} == {state['live_tokens'].shape[0] // 8}
+  assert spread.translate(LINES) == translator.translate(LINES)
+  assert spread.translate(LINES, beam_size=1) == translator.translate(LINES, beam_size=1)
+  for ours, theirs in zip(spread.n_best(LINES, 2), translator.n_best(LINES, 2)):
+    assert [text for text, _ in ours] == [text for text, _ in theirs]
+    np.testing.assert_allclose([s for _, s in ours], [s for _, s in theirs], rtol=1e-5, atol=1e-5)
+  pair = dict(beam_size=2, length_penalty_alpha=0.6, max_extra_length=4)
+  ensemble = Translator([params, params], [config, config], translator.processor, **pair)
+  spread_ensemble = Translator([params, params], [config, config], translator.processor, devices=8, **pair)
+  assert spread_ensemble.translate(LINES) == ensemble.translate(LINES)
+
+
+def test_more_devices_than_the_process_has_is_a_one_line_error(translator):
+  with pytest.raises(UserError, match=r'devices=9: this process has 8 local device\(s\); give 1 to 8'):
+    Translator(translator.params, translator.model_config, translator.processor, devices=9)

@@ -45,6 +45,8 @@ def define(flag_values, argv) -> None:
                     flag_values=flag_values)
   define('integer', 'decode_slots', None, 'Sentences decoded at once, each slot refilled as its sentence ends '
          '(default: the config\'s).')
+  define('integer', 'devices', None, 'Local devices that share the decoding slots, each holding the whole model '
+         '(default: every local accelerator; one device on a CPU).')
   define('integer', 'eval_tokens_per_batch', None, 'Source tokens per --score or --alignment batch (default: the '
          'config\'s).')
   for alias, name in ALIASES.items():
@@ -189,7 +191,8 @@ def load(f):
   --step, --average_last say) or an ensemble's."""
   from flax_transformer.translator import Translator
   overrides = {name: getattr(f, name) for name in ('decode_slots', 'eval_tokens_per_batch', 'beam_stop')}  # None: the run's
-  chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights}
+  chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights,
+            'devices': f.devices}
   if len(workdirs(f)) > 1:
     return Translator.from_workdirs(workdirs(f), **chosen, **overrides)
   return Translator.from_workdir(f.workdir, checkpoint_dir=f.checkpoint_dir, **chosen, **overrides)
