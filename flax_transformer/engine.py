@@ -230,7 +230,7 @@ class Engine:
       return results
     total, finished = len(queue), 0
     shape = self.shape(encoded)
-    slots, source_length, admit_rows = shape.slots, shape.source_length, shape.admit_rows
+    slots, admit_rows = shape.slots, shape.admit_rows
     compiled = shape.programs
     state = compiled.empty(self.params)
     free, occupant = list(range(slots)), {}
