@@ -3,8 +3,10 @@ lines, BLEU, averaging, one-line errors."""
 
 import gzip
 import os
+import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +170,40 @@ def test_stdin_is_translated_line_by_line_as_it_arrives(trained):
   assert [r.endswith(b'\n') for r in replies] == [True] * 3 and replies[1] == b'\n'
   stderr = process.stderr.read().decode()
   assert stderr.count('translating standard input line by line') == 1
+
+
+@pytest.mark.slow
+def test_a_long_job_killed_mid_way_goes_on_from_its_committed_parts(trained, tmp_path):
+  """translate.py killed with SIGKILL after its second committed part, then started again with the same
+  command: it goes on after the parts, and the output is byte for byte the uninterrupted run's; the parts are
+  gone once the output is whole. Another command on the same output is refused while the parts are there."""
+  workdir, _ = trained
+  source = tmp_path / 'in.txt'
+  words = ('the', 'a', 'red', 'one', 'big', 'small', 'old', 'new', 'my', 'your')
+  source.write_text(''.join(f'{first} {second} cat sat on the mat\n' for first in words for second in words[:4]))
+  flags = (f'--input={source}', '--beam_size=2', '--part_lines=2')
+  assert _translate(workdir, *flags, f'--output={tmp_path / "whole.txt"}').returncode == 0
+  output = tmp_path / 'out.txt'
+  command = [sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags, f'--output={output}']
+  process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  try:
+    second = tmp_path / 'out.txt.parts' / 'part-000001.jsonl'
+    while not second.exists():  # 20 parts: the run is seconds from its end when the second is committed
+      assert process.poll() is None, process.stderr.read().decode()[-1500:]
+      time.sleep(0.01)
+    process.kill()
+  finally:
+    process.kill()
+    process.wait()
+  assert not output.exists()
+  other = _translate(workdir, *flags[:-1], '--part_lines=3', f'--output={output}')
+  assert other.returncode == 1 and b'holds the parts of another translation' in other.stderr
+  resumed = _translate(workdir, *flags, f'--output={output}')
+  assert resumed.returncode == 0, resumed.stderr.decode()[-1500:]
+  committed = int(re.search(rb'going on after (\d+) of 20 parts committed', resumed.stderr).group(1))
+  assert 2 <= committed < 20
+  assert output.read_bytes() == (tmp_path / 'whole.txt').read_bytes()
+  assert not (tmp_path / 'out.txt.parts').exists()
 
 
 @pytest.mark.slow

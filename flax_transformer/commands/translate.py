@@ -15,11 +15,13 @@ its batch is done. With --reference, prints sacreBLEU and its signature at the e
 """
 
 import gzip
+import hashlib
 import json
 import os
 import queue
 import sys
 import threading
+import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up chatter
 
@@ -61,6 +63,9 @@ def define(flag_values, argv) -> None:
                     'the config\'s bleu_tokenize): 13a for detokenized text, none for pre-tokenized references.',
                     flag_values=flag_values)
   define('bool', 'lowercase', False, 'Case-insensitive BLEU.')
+  define('integer', 'part_lines', 10_000, 'With --input and --output files: input lines translated per committed '
+         'part (written to OUTPUT.parts/); the same command started again after a stop goes on after the last '
+         'part; the output appears, whole, when every part is done. 0: one part.')
   define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
          'punctuation, instead of cutting them (a warning counts them either way).')
   from flax_transformer import commands
@@ -186,6 +191,79 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
   return best, best
 
 
+JOB_FILE = 'job.json'  # in OUTPUT.parts/: what the parts translate (input, model, choices)
+OUTPUT_FLAGS = ('workdir', 'checkpoint_dir', 'step', 'average_last', 'checkpoint', 'weights', 'beam_size',
+                'length_penalty_alpha', 'beam_stop', 'n_best', 'score', 'alignment', 'split_long', 'part_lines',
+                'reference')  # the flags that change what is written
+
+
+def parts_folder(output: str) -> str:
+  return f'{output}.parts'
+
+
+def job_identity(f, sources: list[str], checkpoints) -> dict:
+  """What a long job's parts hold: its input (by content), the model and the choices that change the output."""
+  digest = hashlib.sha256('\n'.join(sources).encode('utf-8')).hexdigest()
+  return {'input': f.input, 'input_sha256': digest, 'lines': len(sources), 'checkpoints': repr(checkpoints),
+          'flags': {name: getattr(f, name) for name in OUTPUT_FLAGS}}
+
+
+def committed_parts(f, job: dict) -> dict[int, list]:
+  """The parts a stopped run of the same command committed ({index: [[line, best], ...]}); a folder of another
+  command's parts is a one-line error (nothing is removed)."""
+  from flax_transformer import storage
+  from flax_transformer.errors import UserError
+  folder = storage.path(parts_folder(f.output))
+  if not (folder / JOB_FILE).exists():
+    return {}
+  if json.loads((folder / JOB_FILE).read_text()) != job:
+    raise UserError(f'{folder} holds the parts of another translation (another input, model or flags); give the '
+                    f'command that started it to finish it, or remove the folder to start afresh')
+  parts = {}
+  for entry in folder.glob('part-*.jsonl'):
+    parts[int(entry.name[5:-6])] = [json.loads(line) for line in entry.read_text().splitlines()]
+  return parts
+
+
+def translate_in_parts(translator, f, sources, references) -> tuple[list[str], list[str]]:
+  """--input and --output files: the output lines and best translations of every part, each part committed to
+  OUTPUT.parts/ as it is done (and skipped when a stopped run of the same command had committed it)."""
+  from flax_transformer import storage
+  job = job_identity(f, sources, translator.checkpoints)
+  parts = committed_parts(f, job)
+  folder = storage.path(parts_folder(f.output))
+  size = f.part_lines or max(len(sources), 1)
+  count = -(-len(sources) // size)
+  if parts:
+    print(f'going on after {len(parts)} of {count} parts committed in {folder}', file=sys.stderr, flush=True)
+  else:
+    folder.mkdir(parents=True, exist_ok=True)
+    storage.write_atomic(folder / JOB_FILE, json.dumps(job))
+  start, before = time.monotonic(), sum(len(part) for part in parts.values())
+  for index in range(count):
+    if index in parts:
+      continue
+    first = index * size
+    chunk = sources[first:first + size]
+    targets = references[first:first + size] if f.score else None
+    done_before = sum(len(part) for i, part in parts.items())
+
+    def progress(n, total, done_before=done_before):
+      seconds = time.monotonic() - start
+      rate = (done_before + n - before) / seconds if seconds > 0 else 0.0
+      left = (len(sources) - done_before - n) / rate if rate else 0.0
+      print(f'\r{done_before + n}/{len(sources)} lines, {rate:,.1f} lines/s, ETA {left / 60:.1f} min  ', end='',
+            file=sys.stderr, flush=True)
+    lines, best = output_lines(translator, f, chunk, targets, progress, first)
+    parts[index] = [[line, translation] for line, translation in zip(lines, best or [None] * len(lines))]
+    storage.write_atomic(folder / f'part-{index:06d}.jsonl',
+                         ''.join(json.dumps(entry, ensure_ascii=False) + '\n' for entry in parts[index]))
+    progress(len(chunk), len(sources))
+  print(file=sys.stderr)
+  entries = [entry for index in range(count) for entry in parts[index]]
+  return [line for line, _ in entries], [best for _, best in entries if best is not None]
+
+
 def load(f):
   """The Translator the flags name: one workdir's model (its weights and checkpoints as --weights, --checkpoint,
   --step, --average_last say) or an ensemble's."""
@@ -215,10 +293,15 @@ def translate(f, argv: list[str] = ()) -> None:
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
   print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
-        f'{jax.device_count()} {jax.default_backend()} device(s)', file=sys.stderr, flush=True)
+        f'{translator.mesh.size if translator.mesh else 1} {jax.default_backend()} device(s)', file=sys.stderr,
+        flush=True)
   to_stdout = f.output == '-'
   written, translations, done = [], [], 0
-  chunks = stdin_chunks(f.stream_wait) if sources is None else [sources]
+  in_parts = sources is not None and not to_stdout
+  if in_parts:
+    written, translations = translate_in_parts(translator, f, sources, references)
+    done = len(sources)
+  chunks = [] if in_parts else stdin_chunks(f.stream_wait) if sources is None else [sources]
   progress = None if sources is None else (
       lambda n, total: print(f'\r{n}/{total} sentences', end='', file=sys.stderr, flush=True))
   for chunk in chunks:
@@ -245,6 +328,8 @@ def translate(f, argv: list[str] = ()) -> None:
   if not to_stdout:  # written whole, then renamed into place: never a half-written output
     data = ''.join(line + '\n' for line in written).encode('utf-8')
     storage.write_atomic(f.output, gzip.compress(data) if f.output.endswith('.gz') else data)
+    if in_parts:
+      storage.path(parts_folder(f.output)).rmtree()
   if references is not None and not f.score:
     if len(references) != len(translations):
       raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input had '
