@@ -12,10 +12,12 @@ The beam-4 search of this tree against the package at git revision REV (imported
 and REV's search with its cache never reordered (timing only: wrong translations), on the same weights and
 sources, alternating round by round; medians and per-round ratios.
 
-python bench/decode.py --workdir=RUN --sentences=FILE [--references=FILE] [--rounds=3]
+python bench/decode.py --workdir=RUN --sentences=FILE [--references=FILE] [--rounds=3] [--slots=64,128]
+                       [--devices=1,8]
 Real sentences: a trained model translating FILE (one sentence a line; ends at EOS) with our beam 4 (with each
-stopping rule) and greedy search through the Translator, and with the same weights exported to CTranslate2
-float32, alternating; BLEU against the references; the decoding program's peak memory.
+stopping rule) and greedy search through the Translator's decoding engine (at each slot count, and with its
+slots spread over each device count), and with the same weights exported to CTranslate2 float32, alternating;
+BLEU against the references; the slots' busy share; the programs' compile time and peak memory.
 
 python bench/decode.py --workdir=RUN --per_step [--rounds=5]
 The same trained model's beam 4 step against CTranslate2's at 4 to 2,048 hypotheses (1 to 512 sentences of 14
@@ -34,6 +36,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEVICES = max([int(count) for arg in sys.argv if arg.startswith('--devices=') for count in arg[10:].split(',')] or [1])
+if DEVICES > 1 and 'host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):  # before JAX starts
+  os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count={DEVICES}'
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -218,7 +223,7 @@ def against(revision: str, rounds: int):
 
 
 def real_sentences(workdir: str, sentences_path: str, references_path: str | None, rounds: int,
-                   slots: tuple[int, ...] | None = None):
+                   slots: tuple[int, ...] | None = None, device_counts: tuple[int, ...] = (1,)):
   """A trained model on real sentences (EOS ends each), beam 4 and greedy: ours through the Translator vs
   CTranslate2 float32 on the exported model, alternating; BLEU against `references_path`; the decoding
   program's peak memory (XLA's buffer assignment, largest batch)."""
@@ -231,12 +236,12 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   translator = Translator.from_workdir(workdir, beam_size=4, decode_slots=slots[0])
   beam_ended = Translator.from_workdir(workdir, beam_size=4, beam_stop='beam_ended', decode_slots=slots[0])
   runs, translators = {}, {}
-  for count in slots:
-    named = '' if len(slots) == 1 else f', {count} slots'
-    models = {'beam 4': Translator.from_workdir(workdir, beam_size=4, decode_slots=count),
+  for count, devices in [(count, 1) for count in slots] + [(slots[0], d) for d in device_counts if d > 1]:
+    named = ('' if len(slots) == 1 else f', {count} slots') + ('' if devices == 1 else f', {devices} devices')
+    models = {'beam 4': Translator.from_workdir(workdir, beam_size=4, decode_slots=count, devices=devices),
               "beam 4, beam_stop='beam_ended'": Translator.from_workdir(workdir, beam_size=4, beam_stop='beam_ended',
-                                                                         decode_slots=count),
-              'greedy': Translator.from_workdir(workdir, beam_size=1, decode_slots=count)}
+                                                                         decode_slots=count, devices=devices),
+              'greedy': Translator.from_workdir(workdir, beam_size=1, decode_slots=count, devices=devices)}
     for name, model in models.items():
       key = name.replace('beam 4', f'beam 4, ours{named}', 1) if name != 'greedy' else f'greedy, ours{named}'
       runs[key], translators[key] = functools.partial(model.translate, sentences), model
@@ -358,6 +363,9 @@ def main():
   parser.add_argument('--references', help='their reference translations, for BLEU beside the speed')
   parser.add_argument('--per_step', action='store_true', help='with --workdir: a beam step at each batch size')
   parser.add_argument('--rounds', type=int, default=7)
+  parser.add_argument('--devices', default='1', help='with --sentences: ours also spread over these device counts '
+                      '(comma-separated; on a CPU, XLA makes that many devices of its cores: the same work split, '
+                      'so the ratio shows what sharding costs)')
   parser.add_argument('--slots', default='', help='with --sentences: our decoder at each of these slot counts '
                       '(comma-separated; default: the run\'s decode_slots)')
   args = parser.parse_args()
@@ -367,7 +375,8 @@ def main():
     return against(args.against, args.rounds)
   if args.workdir:
     slots = tuple(int(count) for count in args.slots.split(',')) if args.slots else None
-    return real_sentences(args.workdir, args.sentences, args.references, args.rounds, slots)
+    devices = tuple(int(count) for count in args.devices.split(','))
+    return real_sentences(args.workdir, args.sentences, args.references, args.rounds, slots, devices)
   model = Transformer(CONFIG)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(3, CONFIG.vocab_size, (BATCH, SOURCE_LENGTH)), jnp.int32)
