@@ -25,6 +25,26 @@ def judged_split(run) -> str:
   return 'eval_ema' if run.settings.optimizer.ema_decay > 0 else 'eval'
 
 
+def gathered_texts(mine: list[str], total: int) -> list[str]:
+  """Every process's texts, given each holds those of sentences process_index, process_index + processes, ...
+  of `total`: all `total` of them in order, on every process (two all-gathers: the sizes, then the bytes)."""
+  import numpy as np
+  from jax.experimental import multihost_utils
+  encoded = [text.encode('utf-8') for text in mine]
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([len(encoded), sum(map(len, encoded))], np.int64)))
+  lengths = np.zeros((int(sizes[:, 0].max()),), np.int64)
+  lengths[:len(encoded)] = [len(e) for e in encoded]
+  data = np.zeros((max(int(sizes[:, 1].max()), 1),), np.uint8)
+  data[:sizes[jax.process_index(), 1]] = np.frombuffer(b''.join(encoded), np.uint8)
+  lengths, data = (np.asarray(x) for x in multihost_utils.process_allgather((lengths, data)))  # [P, ...] each
+  texts = [''] * total
+  for process in range(len(sizes)):
+    ends = np.cumsum(lengths[process, :sizes[process, 0]])
+    for n, (start, end) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
+      texts[process + n * len(sizes)] = bytes(data[process, start:end]).decode('utf-8')
+  return texts
+
+
 class Evaluation(Hook):
   """Validation loss, perplexity and accuracy, and BLEU on a sample, every process on the same batches, of the
   weights and of their moving average; a signal meanwhile abandons it (the loop then saves and exits)."""
@@ -47,11 +67,17 @@ class Evaluation(Hook):
           parallel_text.python_pairs(s.data, 'eval'))[:s.loop.num_eval_bleu_sentences])
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
       self.encoded = sentences.encode_sentences(run.processor, self.sources)
-    if jax.process_count() > 1:  # every process decodes the same sentences with the whole model
+    model_params, processes = params, jax.process_count()
+    if processes > 1:  # each process decodes its share (every processes-th sentence) with the whole model
       from jax.experimental import multihost_utils
-      params = multihost_utils.process_allgather(params, tiled=True)
-    model = translator.Translator(params, s.model, run.processor, decoding=s.decode)
-    return model.translate(self.sources, encoded=self.encoded, should_stop=should_stop)
+      model_params = multihost_utils.process_allgather(params, tiled=True)
+    mine = range(jax.process_index(), len(self.sources), processes)
+    model = translator.Translator(model_params, s.model, run.processor, decoding=s.decode)
+    translated = model.translate([self.sources[i] for i in mine], encoded=[self.encoded[i] for i in mine],
+                                 should_stop=should_stop)  # the same on every process: signals act between steps
+    if translated is None or processes == 1:
+      return translated
+    return gathered_texts(translated, len(self.sources))
 
   def evaluate(self, step: int, params, split: str = 'eval') -> dict:
     """The metrics of `params` at `step`, logged under `split`; {} if SIGTERM/SIGINT arrives meanwhile."""
