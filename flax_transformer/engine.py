@@ -208,11 +208,15 @@ class Engine:
     self.admit_rows = admit_rows
     self.counts = collections.Counter()  # generate calls, steps, slot-steps and sentence-steps run so far
 
+  def padded(self, length: int) -> int:
+    """A source length rounded up to SOURCE_ROUNDING, within the model's positions."""
+    return min(-(-length // SOURCE_ROUNDING) * SOURCE_ROUNDING, self.max_positions)
+
   def shape(self, encoded: list[list[int]]) -> 'Shape':
     """The slots, lengths and programs a translation of `encoded` runs with."""
     longest = min(max(map(len, encoded)), self.max_positions - 1) + 1  # with EOS
     slots = slot_count(sum(1 for ids in encoded if ids), self.slots, self.mesh.size if self.mesh else 1)
-    source_length = -(-longest // SOURCE_ROUNDING) * SOURCE_ROUNDING
+    source_length = self.padded(longest)
     length = decode_length(source_length, self.max_extra_length, self.max_positions)
     return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
                  programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length, self.mesh))
@@ -241,7 +245,7 @@ class Engine:
       while (queue or ahead) and free:
         if not ahead:  # the next `slots` sentences in one encoder call (they have similar lengths)
           ahead = [queue.popleft() for _ in range(min(slots, len(queue)))]
-          width = -(-len(sources[ahead[0]]) // SOURCE_ROUNDING) * SOURCE_ROUNDING  # the longest of them
+          width = self.padded(len(sources[ahead[0]]))  # the longest of them
           inputs = np.zeros((slots, width), np.int32)
           for row, i in enumerate(ahead):
             inputs[row, :len(sources[i])] = sources[i]
