@@ -279,7 +279,9 @@ def decoding_mesh(devices: int | None = None):
   None for one device."""
   from flax_transformer.errors import UserError
   local = jax.local_devices()
-  count = devices or (1 if local[0].platform == 'cpu' else len(local))
+  if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)):
+    raise UserError(f'devices={devices!r} must be a whole number of local devices, 1 to {len(local)}')
+  count = (1 if local[0].platform == 'cpu' else len(local)) if devices is None else devices
   if not 1 <= count <= len(local):
     raise UserError(f'devices={devices}: this process has {len(local)} local device(s); give 1 to {len(local)}')
   return None if count == 1 else jax.sharding.Mesh(np.array(local[:count]), (SLOT_AXIS,))

@@ -11,6 +11,7 @@ every `eval_every_steps`, and the run's best so far by `config.best_metric`, whi
 import time
 
 import jax
+import numpy as np
 
 from flax_transformer import evaluation, parallel_text, partitioning, sentences, storage, token_table, translator
 from flax_transformer.checkpointing import HIGHER_IS_BETTER
@@ -28,7 +29,6 @@ def judged_split(run) -> str:
 def gathered_texts(mine: list[str], total: int) -> list[str]:
   """Every process's texts, given each holds those of sentences process_index, process_index + processes, ...
   of `total`: all `total` of them in order, on every process (two all-gathers: the sizes, then the bytes)."""
-  import numpy as np
   from jax.experimental import multihost_utils
   encoded = [text.encode('utf-8') for text in mine]
   sizes = np.asarray(multihost_utils.process_allgather(np.array([len(encoded), sum(map(len, encoded))], np.int64)))

@@ -225,3 +225,6 @@ def test_slots_spread_over_eight_devices_translate_as_one_device_does(translator
 def test_more_devices_than_the_process_has_is_a_one_line_error(translator):
   with pytest.raises(UserError, match=r'devices=9: this process has 8 local device\(s\); give 1 to 8'):
     Translator(translator.params, translator.model_config, translator.processor, devices=9)
+  for wrong in (0, -1, 1.5, float('nan'), 'two', True):
+    with pytest.raises(UserError, match=r'^devices='):
+      Translator(translator.params, translator.model_config, translator.processor, devices=wrong)

@@ -100,6 +100,10 @@ def check_flags(f, argv: list[str] = ()) -> None:
     raise UserError('--score and --n_best write different outputs; choose one')
   if f.stream_wait < 0:
     raise UserError(f'--stream_wait={f.stream_wait} must be 0 or more seconds')
+  if f.part_lines < 0:
+    raise UserError(f'--part_lines={f.part_lines} must be 0 or more lines (0 = the whole input as one part)')
+  if f.devices is not None and f.devices < 1:
+    raise UserError(f'--devices={f.devices} must be 1 or more (leave it out for every local accelerator)')
   if len(workdirs(f)) > 1 and (f.alignment or f.checkpoint_dir):
     flag = '--alignment' if f.alignment else '--checkpoint_dir'
     raise UserError(f'{flag} reads one model and --workdir={f.workdir} names {len(workdirs(f))}; give one workdir')
