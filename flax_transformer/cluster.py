@@ -33,18 +33,20 @@ SLURM_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSettings:
-  """How the processes of a run start and watch each other, config fields of these names."""
+  """How the processes of a run start and watch each other: config fields of these names (train), flags of these
+  names (translate); the defaults are a program's without a config."""
   coordinator_address: str = setting("host:port of process 0 (e.g. '10.0.0.1:1234'); '' detects the cluster from "
-                                     "the environment (TPU VM, GKE, SLURM, Open MPI) or runs one process.", before='')
-  num_processes: int = setting('Processes of the run, with coordinator_address.', minimum=1, before=1)
+                                     "the environment (TPU VM, GKE, SLURM, Open MPI) or runs one process.",
+                                     before='', default='')
+  num_processes: int = setting('Processes of the run, with coordinator_address.', minimum=1, before=1, default=1)
   process_id: int = setting("This process's number, 0 to num_processes - 1, with coordinator_address.", minimum=0,
-                            before=0)
+                            before=0, default=0)
   initialization_timeout_seconds: int = setting('How long the processes have to start and find each other.',
-                                                minimum=1, before=300)
+                                                minimum=1, before=300, default=300)
   heartbeat_timeout_seconds: int = setting('A process silent this long is dead: every other one stops, naming it.',
-                                           minimum=1, before=30)
+                                           minimum=1, before=30, default=30)
   shutdown_timeout_seconds: int = setting('How long an exiting process waits for the others at the end.', minimum=1,
-                                          before=60)
+                                          before=60, default=60)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +99,16 @@ def detect(cluster_settings: ClusterSettings, environ: Mapping[str, str] | None 
   return ClusterStart('single process', None)
 
 
-def start(cluster_settings: ClusterSettings) -> ClusterStart:
+def start(cluster_settings: ClusterSettings, spelling: str = '--config.') -> ClusterStart:
   """Starts jax.distributed as `detect` says (once per process; before anything asks JAX for devices). Processes
   that have not all joined within config.initialization_timeout_seconds stop with one line naming who is
-  missing (JAX itself would abort the process a minute later with a C++ stack dump)."""
+  missing (JAX itself would abort the process a minute later with a C++ stack dump). `spelling`: how the
+  program's command line spells a cluster setting (`--config.process_id`, or `--process_id`)."""
   found = detect(cluster_settings)
   if found.arguments is not None and not jax.distributed.is_initialized():
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # collectives of CPU devices (tests, CPU clusters)
     seconds = cluster_settings.initialization_timeout_seconds
-    watchdog = threading.Timer(seconds, _not_joined, (found, cluster_settings))
+    watchdog = threading.Timer(seconds, _not_joined, (found, cluster_settings, spelling))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -115,7 +118,7 @@ def start(cluster_settings: ClusterSettings) -> ClusterStart:
   return found
 
 
-def _not_joined(found: ClusterStart, cluster_settings: ClusterSettings) -> None:
+def _not_joined(found: ClusterStart, cluster_settings: ClusterSettings, spelling: str) -> None:
   """The line and exit of a process whose run's processes did not all join in time."""
   seconds, address = cluster_settings.initialization_timeout_seconds, cluster_settings.coordinator_address
   if address:
@@ -124,10 +127,10 @@ def _not_joined(found: ClusterStart, cluster_settings: ClusterSettings) -> None:
     where = (f'waiting as the coordinator at {address}' if index == 0 else
              f'its coordinator at {address} is not answering')
     _stop(f'process {index} of {count}: {others} did not join within {seconds} s ({where}); start all {count} '
-          f'processes of the run (config.process_id 0 to {count - 1}) with --config.coordinator_address={address}, '
-          f'or raise config.initialization_timeout_seconds')
+          f'processes of the run ({spelling}process_id 0 to {count - 1}) with {spelling}coordinator_address={address}, '
+          f'or raise {spelling}initialization_timeout_seconds')
   _stop(f'the processes of this {found.kind} run did not all join within {seconds} s; start every process of the '
-        f'job, or raise config.initialization_timeout_seconds')
+        f'job, or raise {spelling}initialization_timeout_seconds')
 
 
 # --- One failure stops every process ----------------------------------------------------------
@@ -297,3 +300,35 @@ class ProcessError(UserError):
   def __init__(self, process: int, count: int, message: str, original: Exception | None = None):
     super().__init__(f'process {process} of {count}: {message}')
     self.original = original
+
+
+_gathers = 0  # gathered_texts calls so far: each barrier's key is its own
+
+
+def gathered_texts(mine: list[str], total: int, what: str) -> list[str]:
+  """Every process's texts, given each holds those of items process_index, process_index + processes, ... of
+  `total`: all `total` of them in order, on every process. A barrier of the coordination service first (the
+  processes may get there minutes apart: a device collective on CPU gives up after 30 s), then two all-gathers
+  (the sizes, then the bytes). `what`: the texts, named if the barrier is never reached."""
+  if jax.process_count() == 1:
+    return list(mine)
+  global _gathers
+  _gathers += 1
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from orbax.checkpoint import multihost
+  multihost.get_barrier_sync_fn()(key=f'{_KEYS}/gather/{_gathers}/{what}', timeout_ms=AGREE_TIMEOUT_MS)
+  encoded = [text.encode('utf-8') for text in mine]
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([len(encoded), sum(map(len, encoded))], np.int64)))
+  rounded = lambda n, least: max(least, 1 << (int(n) - 1).bit_length())  # few shapes: few compiled all-gathers
+  lengths = np.zeros((rounded(sizes[:, 0].max(), 64),), np.int64)
+  lengths[:len(encoded)] = [len(e) for e in encoded]
+  data = np.zeros((rounded(sizes[:, 1].max(), 4096),), np.uint8)
+  data[:sizes[jax.process_index(), 1]] = np.frombuffer(b''.join(encoded), np.uint8)
+  lengths, data = (np.asarray(x) for x in multihost_utils.process_allgather((lengths, data)))  # [P, ...] each
+  texts = [''] * total
+  for process in range(len(sizes)):
+    ends = np.cumsum(lengths[process, :sizes[process, 0]])
+    for n, (start, end) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
+      texts[process + n * len(sizes)] = bytes(data[process, start:end]).decode('utf-8')
+  return texts

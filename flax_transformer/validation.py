@@ -11,9 +11,8 @@ every `eval_every_steps`, and the run's best so far by `config.best_metric`, whi
 import time
 
 import jax
-import numpy as np
 
-from flax_transformer import evaluation, parallel_text, partitioning, sentences, storage, token_table, translator
+from flax_transformer import cluster, evaluation, parallel_text, partitioning, sentences, storage, token_table, translator
 from flax_transformer.checkpointing import HIGHER_IS_BETTER
 from flax_transformer.hooks import Hook, StepEnd, StopSignal
 from flax_transformer.metrics_log import MetricsLog
@@ -24,25 +23,6 @@ TRANSLATIONS_DIR = 'translations'  # translations/eval_<step>.txt: the BLEU samp
 def judged_split(run) -> str:
   """The metrics split the best checkpoint and early stopping judge: the moving average's when there is one."""
   return 'eval_ema' if run.settings.optimizer.ema_decay > 0 else 'eval'
-
-
-def gathered_texts(mine: list[str], total: int) -> list[str]:
-  """Every process's texts, given each holds those of sentences process_index, process_index + processes, ...
-  of `total`: all `total` of them in order, on every process (two all-gathers: the sizes, then the bytes)."""
-  from jax.experimental import multihost_utils
-  encoded = [text.encode('utf-8') for text in mine]
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([len(encoded), sum(map(len, encoded))], np.int64)))
-  lengths = np.zeros((int(sizes[:, 0].max()),), np.int64)
-  lengths[:len(encoded)] = [len(e) for e in encoded]
-  data = np.zeros((max(int(sizes[:, 1].max()), 1),), np.uint8)
-  data[:sizes[jax.process_index(), 1]] = np.frombuffer(b''.join(encoded), np.uint8)
-  lengths, data = (np.asarray(x) for x in multihost_utils.process_allgather((lengths, data)))  # [P, ...] each
-  texts = [''] * total
-  for process in range(len(sizes)):
-    ends = np.cumsum(lengths[process, :sizes[process, 0]])
-    for n, (start, end) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
-      texts[process + n * len(sizes)] = bytes(data[process, start:end]).decode('utf-8')
-  return texts
 
 
 class Evaluation(Hook):
@@ -77,7 +57,7 @@ class Evaluation(Hook):
                                  should_stop=should_stop)  # the same on every process: signals act between steps
     if translated is None or processes == 1:
       return translated
-    return gathered_texts(translated, len(self.sources))
+    return cluster.gathered_texts(translated, len(self.sources), 'validation translations')
 
   def evaluate(self, step: int, params, split: str = 'eval') -> dict:
     """The metrics of `params` at `step`, logged under `split`; {} if SIGTERM/SIGINT arrives meanwhile."""

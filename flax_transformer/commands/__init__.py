@@ -51,6 +51,29 @@ def define_weights(flag_values, best: bool = False) -> None:
                       '(config.best_metric; a run with config.keep_best).', flag_values=flag_values)
 
 
+def define_cluster(flag_values) -> None:
+  """The flags of a program that runs on several processes without a run config (translate): one per field of
+  cluster.ClusterSettings, of its name, type, description and default."""
+  import dataclasses
+  from absl import flags
+  from flax_transformer.cluster import ClusterSettings
+  for field in dataclasses.fields(ClusterSettings):
+    kind = {str: flags.DEFINE_string, int: flags.DEFINE_integer}[field.type]
+    kind(field.name, field.default, field.metadata['doc'], flag_values=flag_values)
+
+
+def check_cluster(f) -> None:
+  """define_cluster's flags checked as a run config's fields are: one line naming the flag."""
+  import dataclasses
+  from flax_transformer import fields
+  from flax_transformer.cluster import ClusterSettings
+  names = [field.name for field in dataclasses.fields(ClusterSettings)]
+  fields.check_values(ClusterSettings, {name: getattr(f, name) for name in names}, lambda name: f'--{name}')
+  if f.coordinator_address and not f.process_id < f.num_processes:
+    raise UserError(f'--process_id={f.process_id} is outside 0..{f.num_processes - 1} (--num_processes='
+                    f'{f.num_processes}); give each process its own id')
+
+
 def error_line(message: str) -> int:
   """Prints `error: message` (one line) on stderr after whatever stdout holds; returns the error status."""
   sys.stdout.flush()

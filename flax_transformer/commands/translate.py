@@ -14,6 +14,7 @@ its batch is done. With --reference, prints sacreBLEU and its signature at the e
 `flax-transformer-translate` (the same program).
 """
 
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -68,8 +69,11 @@ def define(flag_values, argv) -> None:
          'part; the output appears, whole, when every part is done. 0: one part.')
   define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
          'punctuation, instead of cutting them (a warning counts them either way).')
+  define('integer', 'storage_timeout_seconds', 300, 'A write of the output or of a part still unfinished after this '
+         'stops the program (a storage server that stopped answering).')
   from flax_transformer import commands
   commands.define_weights(flag_values)
+  commands.define_cluster(flag_values)
 
 
 STREAM_LINES = 256  # the most stdin lines translated together
@@ -88,9 +92,8 @@ def typed(argv: list[str], name: str) -> str:
 
 def check_flags(f, argv: list[str] = ()) -> None:
   """Every flag that can be wrong without the model: before anything is loaded or compiled."""
-  from flax_transformer import parallel_text, storage
+  from flax_transformer import commands, decoding_settings, parallel_text, storage
   from flax_transformer.errors import UserError
-  from flax_transformer import decoding_settings
   decoding_settings.check({name: getattr(f, name) for name in DECODING_FLAGS}, lambda name: typed(argv, name))
   if f.n_best < 0:
     raise UserError(f'--n_best={f.n_best} must be 1 or more (0 = translations only)')
@@ -104,6 +107,12 @@ def check_flags(f, argv: list[str] = ()) -> None:
     raise UserError(f'--part_lines={f.part_lines} must be 0 or more lines (0 = the whole input as one part)')
   if f.devices is not None and f.devices < 1:
     raise UserError(f'--devices={f.devices} must be 1 or more (leave it out for every local accelerator)')
+  if f.storage_timeout_seconds < 1:
+    raise UserError(f'--storage_timeout_seconds={f.storage_timeout_seconds} must be 1 or more seconds')
+  commands.check_cluster(f)
+  if f.input == '-' and f.num_processes > 1:
+    raise UserError(f'--input=- is read by one process and --num_processes={f.num_processes}; give --input=FILE '
+                    f'(every process reads its share), or start one process')
   if len(workdirs(f)) > 1 and (f.alignment or f.checkpoint_dir):
     flag = '--alignment' if f.alignment else '--checkpoint_dir'
     raise UserError(f'{flag} reads one model and --workdir={f.workdir} names {len(workdirs(f))}; give one workdir')
@@ -163,9 +172,36 @@ def stdin_chunks(wait: float):
       number += len(chunk)
 
 
-def output_lines(translator, f, sources: list[str], targets: list[str] | None, progress=None, first: int = 0):
-  """The output lines for `sources` (and their `targets` with --score), and the best translations; `first`:
-  the number of input lines before these."""
+class Progress:
+  """One progress line on stderr: rewritten in place on a terminal; in a log (not a terminal), written as a line
+  of its own at most every LOG_SECONDS and at the end, so that a later line (an error) starts a line."""
+  LOG_SECONDS = 10.0
+
+  def __init__(self):
+    self.terminal, self.text, self.written, self.last = sys.stderr.isatty(), '', '', 0.0
+
+  def update(self, text: str) -> None:
+    self.text = text
+    if self.terminal:
+      print(f'\r{text}  ', end='', file=sys.stderr, flush=True)
+      self.written = text
+    elif time.monotonic() - self.last >= self.LOG_SECONDS:
+      self.line()
+
+  def line(self) -> None:
+    print(self.text, file=sys.stderr, flush=True)
+    self.written, self.last = self.text, time.monotonic()
+
+  def end(self) -> None:
+    if self.terminal and self.written:
+      print(file=sys.stderr, flush=True)
+    elif not self.terminal and self.text and self.written != self.text:
+      self.line()
+
+
+def output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, numbers: list[int]):
+  """The output lines for `sources` (and their `targets` with --score), and the best translations; `numbers`:
+  their input line numbers (from 0)."""
   if f.score:
     scores = translator.score(sources, targets)
     links = translator.alignments(sources, targets) if f.alignment else None
@@ -173,7 +209,7 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
   encoded = translator.encode(sources)
   too_long = translator.too_long(encoded)
   if too_long:
-    shown = ', '.join(str(first + i + 1) for i in too_long[:10]) + (', ...' if len(too_long) > 10 else '')
+    shown = ', '.join(str(numbers[i] + 1) for i in too_long[:10]) + (', ...' if len(too_long) > 10 else '')
     what = ('split at sentence punctuation and translated in pieces' if f.split_long else
             'cut to fit (--split_long translates them in pieces split at sentence punctuation)')
     print(f'warning: {len(too_long)} input line(s) longer than the model\'s {translator.max_source_tokens} tokens '
@@ -186,13 +222,29 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
       if f.alignment and entries:
         for entry, links in zip(entries, translator.alignments([sources[i]] * len(entries), [e['text'] for e in entries])):
           entry['alignment'] = links
-      lines.append(json.dumps({'n': first + i, 'hypotheses': entries}, ensure_ascii=False))
+      lines.append(json.dumps({'n': numbers[i], 'hypotheses': entries}, ensure_ascii=False))
     return lines, best
   best = translator.translate(sources, f.beam_size, f.length_penalty_alpha, split_long=f.split_long, encoded=encoded,
                               progress=progress)
   if f.alignment:
     return [f'{t} ||| {links}' for t, links in zip(best, translator.alignments(sources, best))], best
   return best, best
+
+
+def shared_output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, first: int):
+  """output_lines of `sources` (input lines `first`, `first` + 1, ...), on every process: each translates its
+  share (every processes-th line) on its devices and the output lines are gathered in order."""
+  import jax
+  from flax_transformer import cluster
+  processes, mine = jax.process_count(), slice(jax.process_index(), None, jax.process_count())
+  numbers = list(range(first, first + len(sources)))
+  if processes == 1:
+    return output_lines(translator, f, sources, targets, progress, numbers)
+  scaled = progress and (lambda n, total: progress(min(n * processes, len(sources)), len(sources)))
+  lines, best = output_lines(translator, f, sources[mine], targets[mine] if targets else None, scaled, numbers[mine])
+  lines = cluster.gathered_texts(lines, len(sources), f'output lines {first + 1} to {first + len(sources)}')
+  return lines, None if f.score else cluster.gathered_texts(best, len(sources), f'translations {first + 1} to '
+                                                                            f'{first + len(sources)}')
 
 
 JOB_FILE = 'job.json'  # in OUTPUT.parts/: what the parts translate (input, model, choices)
@@ -231,39 +283,61 @@ def committed_parts(f, job: dict) -> dict[int, list]:
 
 def translate_in_parts(translator, f, sources, references) -> tuple[list[str], list[str]]:
   """--input and --output files: the output lines and best translations of every part, each part committed to
-  OUTPUT.parts/ as it is done (and skipped when a stopped run of the same command had committed it)."""
-  from flax_transformer import storage
+  OUTPUT.parts/ as it is done (and skipped when a stopped run of the same command had committed it). On several
+  processes every process translates its share of each part and process 0, which alone reads and writes the
+  parts and the output, says which parts are committed; the lists returned are process 0's (others: empty)."""
+  import jax
+  from flax_transformer import cluster, storage
+  from flax_transformer.errors import UserError
+  chief, processes = jax.process_index() == 0, jax.process_count()
   job = job_identity(f, sources, translator.checkpoints)
-  parts = committed_parts(f, job)
+  jobs = cluster.agree('translation job', value=json.dumps(job, sort_keys=True))
+  for process, other in enumerate(jobs):
+    if other != jobs[0]:
+      differing = sorted(k for k in job if json.loads(other).get(k) != json.loads(jobs[0]).get(k))
+      raise cluster.ProcessError(process, processes, f'its {", ".join(differing)} differ from process 0\'s; start '
+                                 f'every process with the same command (only --process_id differs)')
   folder = storage.path(parts_folder(f.output))
   size = f.part_lines or max(len(sources), 1)
   count = -(-len(sources) // size)
-  if parts:
-    print(f'going on after {len(parts)} of {count} parts committed in {folder}', file=sys.stderr, flush=True)
-  else:
-    folder.mkdir(parents=True, exist_ok=True)
-    storage.write_atomic(folder / JOB_FILE, json.dumps(job))
-  start, before = time.monotonic(), sum(len(part) for part in parts.values())
+  within = lambda what, call: storage.within(f.storage_timeout_seconds, what, call)
+  parts, problem = {}, None
+  if chief:
+    try:
+      parts = within(f'reading {folder}', lambda: committed_parts(f, job))
+      if parts:
+        print(f'going on after {len(parts)} of {count} parts committed in {folder}', file=sys.stderr, flush=True)
+      else:
+        within(f'writing {folder / JOB_FILE}', lambda: (folder.mkdir(parents=True, exist_ok=True),
+                                                       storage.write_atomic(folder / JOB_FILE, json.dumps(job))))
+    except UserError as error:
+      problem = error
+  committed = set(json.loads(cluster.agree('committed parts', problem, json.dumps(sorted(parts)))[0]))
+  start, before = time.monotonic(), sum(min(size, len(sources) - i * size) for i in committed)
+  shown = Progress()
   for index in range(count):
-    if index in parts:
+    if index in committed:
       continue
     first = index * size
     chunk = sources[first:first + size]
     targets = references[first:first + size] if f.score else None
-    done_before = sum(len(part) for i, part in parts.items())
+    done_before = sum(min(size, len(sources) - i * size) for i in range(index) if i in committed or i in parts)
 
     def progress(n, total, done_before=done_before):
       seconds = time.monotonic() - start
       rate = (done_before + n - before) / seconds if seconds > 0 else 0.0
       left = (len(sources) - done_before - n) / rate if rate else 0.0
-      print(f'\r{done_before + n}/{len(sources)} lines, {rate:,.1f} lines/s, ETA {left / 60:.1f} min  ', end='',
-            file=sys.stderr, flush=True)
-    lines, best = output_lines(translator, f, chunk, targets, progress, first)
+      shown.update(f'{done_before + n}/{len(sources)} lines, {rate:,.1f} lines/s, ETA {left / 60:.1f} min')
+    lines, best = shared_output_lines(translator, f, chunk, targets, progress if chief else None, first)
     parts[index] = [[line, translation] for line, translation in zip(lines, best or [None] * len(lines))]
-    storage.write_atomic(folder / f'part-{index:06d}.jsonl',
-                         ''.join(json.dumps(entry, ensure_ascii=False) + '\n' for entry in parts[index]))
-    progress(len(chunk), len(sources))
-  print(file=sys.stderr)
+    if chief:
+      data = ''.join(json.dumps(entry, ensure_ascii=False) + '\n' for entry in parts[index])
+      name = folder / f'part-{index:06d}.jsonl'
+      within(f'writing {name}', lambda: storage.write_atomic(name, data))
+      progress(len(chunk), len(sources))
+  shown.end()
+  if not chief:
+    return [], []
   entries = [entry for index in range(count) for entry in parts[index]]
   return [line for line, _ in entries], [best for _, best in entries if best is not None]
 
@@ -281,13 +355,38 @@ def load(f):
 
 
 def translate(f, argv: list[str] = ()) -> None:
+  """The program: on one process, or on each of several (the cluster flags, or the cluster's environment), where
+  an error on one stops every other with the same line, as a training run's processes do."""
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()
   import jax
-  from flax_transformer import evaluation, parallel_text, platforms, storage
-
+  from flax_transformer import cluster, platforms
   check_flags(f, argv)
   platforms.enable_compilation_cache()  # each engine program compiled once, for every later translation
+  settings = cluster.ClusterSettings(**{field.name: getattr(f, field.name)
+                                        for field in dataclasses.fields(cluster.ClusterSettings)})
+  cluster.start(settings, spelling='--')
+  cluster.watch_peers(settings)
+  try:
+    _translate(f)
+    cluster.finish_watching()
+  except cluster.ProcessError:  # every process raised it: nothing to tell the others
+    cluster.leave_last()
+    raise
+  except Exception as error:
+    if jax.distributed.is_initialized():  # the others stop too, with this cause (or the peer that died, if one did)
+      cluster.stop_all_after_failure(error)
+    raise
+
+
+def _translate(f) -> None:
+  import jax
+  from flax_transformer import evaluation, parallel_text, storage
+  from flax_transformer.errors import UserError
+  chief, processes = jax.process_index() == 0, jax.process_count()
+  if f.input == '-' and processes > 1:
+    raise UserError(f'--input=- is read by one process and this job has {processes}; give --input=FILE (every '
+                    f'process reads its share), or start one process')
   references = parallel_text.read_lines(f.reference) if f.reference else None
   sources = None if f.input == '-' else parallel_text.read_lines(f.input)
   if sources is not None and references is not None and len(references) != len(sources):
@@ -296,9 +395,11 @@ def translate(f, argv: list[str] = ()) -> None:
   translator = load(f)
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
-  print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
-        f'{translator.mesh.size if translator.mesh else 1} {jax.default_backend()} device(s)', file=sys.stderr,
-        flush=True)
+  where = f' on {processes} processes' if processes > 1 else ''
+  if chief:
+    print(f'{"scoring" if f.score else "translating"} {what} with checkpoint(s) {list(translator.checkpoints)} on '
+          f'{translator.mesh.size if translator.mesh else 1} {jax.default_backend()} device(s){where}'
+          + (' each' if where else ''), file=sys.stderr, flush=True)
   to_stdout = f.output == '-'
   written, translations, done = [], [], 0
   in_parts = sources is not None and not to_stdout
@@ -306,8 +407,8 @@ def translate(f, argv: list[str] = ()) -> None:
     written, translations = translate_in_parts(translator, f, sources, references)
     done = len(sources)
   chunks = [] if in_parts else stdin_chunks(f.stream_wait) if sources is None else [sources]
-  progress = None if sources is None else (
-      lambda n, total: print(f'\r{n}/{total} sentences', end='', file=sys.stderr, flush=True))
+  shown = Progress()
+  progress = None if sources is None or not chief else (lambda n, total: shown.update(f'{n}/{total} sentences'))
   for chunk in chunks:
     targets = None
     if f.score:
@@ -315,25 +416,28 @@ def translate(f, argv: list[str] = ()) -> None:
         raise parallel_text.DataError(f'standard input has more lines than the {len(references)} of '
                                        f'{f.reference}; give the reference of this input')
       targets = references[done:done + len(chunk)]
-    lines, best = output_lines(translator, f, chunk, targets, progress, done)
+    lines, best = shared_output_lines(translator, f, chunk, targets, progress, done)
     done += len(chunk)
     translations += best or []
-    if to_stdout:
+    if to_stdout and chief:
       sys.stdout.write(''.join(line + '\n' for line in lines))
       sys.stdout.flush()
     else:
       written += lines
-  if progress:
-    print(file=sys.stderr)
+  shown.end()
   if f.score and done != len(references):
     raise parallel_text.DataError(f'standard input had {done} lines but {f.reference} has {len(references)}; '
                                   f'give the reference of this input (the {done} scores written are those of its '
                                   f'first {done} lines)')
-  if not to_stdout:  # written whole, then renamed into place: never a half-written output
+  if not chief:
+    return
+  if not to_stdout:  # written whole, then renamed into place: never a half-written output; the same bytes each time
     data = ''.join(line + '\n' for line in written).encode('utf-8')
-    storage.write_atomic(f.output, gzip.compress(data) if f.output.endswith('.gz') else data)
+    storage.within(f.storage_timeout_seconds, f'writing {f.output}', lambda: storage.write_atomic(
+        f.output, gzip.compress(data, mtime=0) if f.output.endswith('.gz') else data))
     if in_parts:
-      storage.path(parts_folder(f.output)).rmtree()
+      storage.within(f.storage_timeout_seconds, f'removing {parts_folder(f.output)}',
+                     lambda: storage.path(parts_folder(f.output)).rmtree())
   if references is not None and not f.score:
     if len(references) != len(translations):
       raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input had '
