@@ -128,7 +128,10 @@ def time_engine(jax, shape: dict, dtype: str, sentences: int, slots: int) -> tup
   probe = np.ones((1, 8), np.int32)
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), probe, probe)['params'])
   strategy = search.BeamSearch(4, 0.6, resolved.decode.beam_top_k)
-  decoder = engine.Engine(model, params, strategy, slots=slots, max_extra_length=0, max_positions=256)
+  mesh = engine.decoding_mesh()  # every local accelerator, as translate.py
+  if mesh:  # the whole model on each device, as the Translator places it
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  decoder = engine.Engine(model, params, strategy, slots=slots, max_extra_length=0, max_positions=256, mesh=mesh)
   results = decoder.run(encoded)
   times = []
   for _ in range(3):
@@ -191,13 +194,16 @@ def main():
   sentences = 16 if args.smoke else 2048
   print(f'\nthe decoding engine, beam 4: {sentences} sources of newstest-like lengths, each output as long as '
         f'its source\n')
+  from flax_transformer import engine
+  devices = engine.decoding_mesh().size if engine.decoding_mesh() else 1
+  print(f'slots spread over {devices} local device(s), as translate.py does\n')
   print('| shape | dtype | slots | sentences/s | target tokens/s |\n|---|---|---|---|---|')
   for name in shapes:
     for dtype in dtypes:
       for slots in ((8,) if args.smoke else (64, 512)):
         seconds, tokens = time_engine(jax, SHAPES[name], dtype, sentences, slots)
         print(f'| {name} | {dtype} | {slots} | {sentences / seconds:,.1f} | {tokens / seconds:,.0f} |', flush=True)
-        results.append({'shape': name, 'dtype': dtype, 'engine_slots': slots,
+        results.append({'shape': name, 'dtype': dtype, 'engine_slots': slots, 'engine_devices': devices,
                         'engine_sentences_per_second': round(sentences / seconds, 1),
                         'engine_target_tokens_per_second': round(tokens / seconds)})
   memory = peak_memory_gb(jax)
