@@ -16,7 +16,7 @@ if [[ "${1:-}" != "--smoke" ]]; then
   fi
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
-if [[ "${1:-}" != "--smoke" ]]; then  # the tests that need an accelerator (skipped in the CPU suite)
-  TEST_ON_ACCELERATOR=1 timeout 240 python -m pytest -q -p no:cacheprovider -m accelerator tests
+if [[ "${1:-}" != "--smoke" ]]; then  # the tests that need an accelerator (skipped in the CPU suite), and two benchmarks' smoke runs
+  TEST_ON_ACCELERATOR=1 timeout 300 python -m pytest -q -p no:cacheprovider -m accelerator tests
 fi
 timeout 470 python bench/accelerator.py "$@"

@@ -12,7 +12,6 @@ import itertools
 import os
 import zlib
 
-import tensorflow as tf
 
 from flax_transformer import bucketing, corpora, storage
 from flax_transformer.errors import UserError
@@ -203,6 +202,7 @@ def text_pairs(data: DataSettings, split: str):
   if data.dataset == 'files':
     yield from parallel_lines(*_split_paths(data, split))
     return
+  import tensorflow as tf  # here, not at the top: translation reads text without TensorFlow's seconds of import
   builder = _tfds_builder(data)
   name = _tfds_split(data, split)
   try:

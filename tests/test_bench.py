@@ -1,5 +1,5 @@
-"""The benchmarks that tests run end to end at tiny sizes on the CPU: the prepared accelerator benchmark (one JSON
-line at the end) and the fault soak."""
+"""The benchmarks run end to end at tiny sizes: the prepared accelerator benchmark (one JSON line at the end) and
+the fault soak, both in the accelerator job (bench/gpu.sh); the CPU suite checks what they measure elsewhere."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from tests.conftest import subprocess_env
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.accelerator  # bench/gpu.sh's own job: a minute of CPU that no CPU test needs
 def test_gpu_benchmark_smoke_run():
   env = subprocess_env(None)  # one device, as on the GPU machine
   # One dtype keeps it to about a minute on 2 cores (each tiny step compiles in ~8 s, three times).
@@ -32,7 +32,7 @@ def test_gpu_benchmark_smoke_run():
   assert engine and all(run['engine_target_tokens_per_second'] > run['engine_sentences_per_second'] > 0 for run in engine)
 
 
-@pytest.mark.slow
+@pytest.mark.accelerator  # in the accelerator job: test_exact_resume_after_sigkill checks the same on the CPU
 def test_fault_soak_smoke_run(tmp_path):
   """bench/soak.py end to end on its cheapest run: one fault (kill -9 or SIGTERM) of a local one-process run,
   restarted, every logged loss equal to the uninterrupted run's."""

@@ -13,7 +13,7 @@ import pytest
 
 from flax_transformer import checkpointing, workdirs
 from flax_transformer.commands import average as average_command, translate as translate_command
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, free_port, subprocess_env
 from tests.helpers import programs
 
 
@@ -130,7 +130,7 @@ def test_long_lines_are_counted_and_can_be_split(trained, tmp_path):
   assert split.returncode == 0 and 'split at sentence punctuation and translated in pieces' in split.stderr.decode()
   cut_lines, split_lines = cut.stdout.decode().splitlines(), split.stdout.decode().splitlines()
   assert len(split_lines) == 2 and split_lines[0] == cut_lines[0]
-  decoded = lambda result: result.stderr.decode().split('\r')[-1].split()[0]  # the last progress count
+  decoded = lambda result: result.stderr.decode().splitlines()[-1].split()[0]  # the last progress line's count
   assert decoded(cut) == '2/2'
   pieces = int(decoded(split).split('/')[1])
   assert pieces >= 3  # the long line went in pieces (this 6-step model's translations are mostly empty)
@@ -150,13 +150,14 @@ def test_a_reference_of_another_length_is_refused_before_decoding(trained, tmp_p
 
 
 @pytest.mark.slow
-def test_stdin_is_translated_line_by_line_as_it_arrives(trained):
+def test_stdin_is_translated_line_by_line_as_it_arrives(trained, tmp_path):
   """One line written, its translation read back, then the next: the model is loaded once, each output
-  line flushed when its line is done (an empty line gives an empty line)."""
+  line flushed when its line is done (an empty line gives an empty line); TensorFlow is never imported (its
+  seconds of start-up)."""
   workdir, _ = trained
-  process = subprocess.Popen([sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', '--input=-',
+  process = subprocess.Popen([sys.executable, '-X', 'importtime', os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', '--input=-',
                               '--beam_size=1'], env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+                             stderr=(tmp_path / 'stderr').open('wb'))  # a file: the import times fill a pipe
   try:
     replies = []
     for line in (b'the cat sat on the mat\n', b'\n', b'red house\n'):
@@ -164,44 +165,62 @@ def test_stdin_is_translated_line_by_line_as_it_arrives(trained):
       process.stdin.flush()
       replies.append(process.stdout.readline())  # blocks until this line's translation is written
     process.stdin.close()
-    assert process.wait(timeout=120) == 0, process.stderr.read().decode()[-1500:]
+    assert process.wait(timeout=120) == 0, (tmp_path / 'stderr').read_text()[-1500:]
   finally:
     process.kill()
   assert [r.endswith(b'\n') for r in replies] == [True] * 3 and replies[1] == b'\n'
-  stderr = process.stderr.read().decode()
+  stderr = (tmp_path / 'stderr').read_text()
   assert stderr.count('translating standard input line by line') == 1
+  imported = [line.rsplit('|', 1)[-1].strip() for line in stderr.splitlines() if line.startswith('import time:')]
+  assert 'jax' in imported and not [name for name in imported if name.startswith('tensorflow')]
+
+
+def _two_processes(workdir, flags):
+  """translate.py as processes 0 and 1 of one job on localhost, 2 CPU devices each, a 10 s heartbeat."""
+  port = free_port()
+  command = [sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags, '--devices=2',
+             '--num_processes=2', f'--coordinator_address=localhost:{port}', '--heartbeat_timeout_seconds=10']
+  return [subprocess.Popen(command + [f'--process_id={i}'], env=subprocess_env(2), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
 
 
 @pytest.mark.slow
-def test_a_long_job_killed_mid_way_goes_on_from_its_committed_parts(trained, tmp_path):
-  """translate.py killed with SIGKILL after its second committed part, then started again with the same
-  command: it goes on after the parts, and the output is byte for byte the uninterrupted run's; the parts are
-  gone once the output is whole. Another command on the same output is refused while the parts are there."""
+def test_a_long_job_on_two_processes_killed_mid_way_goes_on_from_its_committed_parts(trained, tmp_path):
+  """translate.py on 2 processes × 2 devices, process 1 killed with SIGKILL once two parts are committed:
+  process 0 stops by itself within seconds, naming it. Another command on the same output is refused while
+  the parts are there; the same command started again goes on after them, and the output is byte for byte
+  what one process on one device writes; the parts are gone once the output is whole."""
   workdir, _ = trained
   source = tmp_path / 'in.txt'
   words = ('the', 'a', 'red', 'one', 'big', 'small', 'old', 'new', 'my', 'your')
   source.write_text(''.join(f'{first} {second} cat sat on the mat\n' for first in words for second in words[:4]))
-  flags = (f'--input={source}', '--beam_size=2', '--part_lines=2')
+  flags = (f'--input={source}', '--beam_size=2', '--part_lines=4')
   assert _translate(workdir, *flags, f'--output={tmp_path / "whole.txt"}').returncode == 0
   output = tmp_path / 'out.txt'
-  command = [sys.executable, os.path.join(ROOT, 'translate.py'), f'--workdir={workdir}', *flags, f'--output={output}']
-  process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  processes = _two_processes(workdir, [*flags, f'--output={output}'])
   try:
     second = tmp_path / 'out.txt.parts' / 'part-000001.jsonl'
-    while not second.exists():  # 20 parts: the run is seconds from its end when the second is committed
-      assert process.poll() is None, process.stderr.read().decode()[-1500:]
+    while not second.exists():  # 10 parts: the run is seconds from its end when the second is committed
+      assert processes[0].poll() is None, processes[0].stdout.read()[-1500:]
       time.sleep(0.01)
-    process.kill()
+    processes[1].kill()
+    killed_at = time.monotonic()
+    log = processes[0].communicate(timeout=60)[0]
   finally:
-    process.kill()
-    process.wait()
+    for process in processes:
+      process.kill()
+      process.wait()
+  print(f'process 0 exited {time.monotonic() - killed_at:.1f} s after process 1 was killed')
+  assert processes[0].returncode == 1
+  assert log.strip().splitlines()[-1].startswith('error: process 1 of 2 stopped responding 5 s ago'), log[-1500:]
   assert not output.exists()
   other = _translate(workdir, *flags[:-1], '--part_lines=3', f'--output={output}')
   assert other.returncode == 1 and b'holds the parts of another translation' in other.stderr
-  resumed = _translate(workdir, *flags, f'--output={output}')
-  assert resumed.returncode == 0, resumed.stderr.decode()[-1500:]
-  committed = int(re.search(rb'going on after (\d+) of 20 parts committed', resumed.stderr).group(1))
-  assert 2 <= committed < 20
+  processes = _two_processes(workdir, [*flags, f'--output={output}'])
+  logs = [process.communicate(timeout=300)[0] for process in processes]
+  assert [process.returncode for process in processes] == [0, 0], logs[0][-1500:] + logs[1][-1500:]
+  committed = int(re.search(r'going on after (\d+) of 10 parts committed', logs[0]).group(1))
+  assert 2 <= committed < 10
   assert output.read_bytes() == (tmp_path / 'whole.txt').read_bytes()
   assert not (tmp_path / 'out.txt.parts').exists()
 

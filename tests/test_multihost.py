@@ -210,39 +210,3 @@ def _translate_commands(flags):
   base = [sys.executable, os.path.join(ROOT, 'translate.py'), *flags, '--devices=2',
           '--num_processes=2', f'--coordinator_address=localhost:{port}', '--heartbeat_timeout_seconds=10']
   return [base + [f'--process_id={i}'] for i in (0, 1)]
-
-
-def test_translation_on_two_processes_resumes_after_kill_and_writes_one_processes_bytes(corpus, reference, tmp_path):
-  """96 lines in parts of 8 on 2 processes × 2 devices: process 1 killed once parts are committed, process
-  0 stops by itself naming it; the same command started again goes on after the committed parts and the file
-  is byte for byte the one a single process on one device writes."""
-  workdir, _ = reference
-  source, expected, output = tmp_path / 'source.txt', tmp_path / 'one.txt', tmp_path / 'two.txt'
-  source.write_text(''.join(line + '\n' for line in parallel_text.read_lines(f'{corpus}/train.src.gz')[:96]))
-  one = programs.run(translate_command.main, ['translate.py', f'--workdir={workdir}', f'--input={source}',
-                                              f'--output={expected}', '--devices=1'], text=True)
-  assert one.returncode == 0, one.stderr[-2000:]
-  commands = _translate_commands([f'--workdir={workdir}', f'--input={source}', f'--output={output}', '--part_lines=8'])
-  processes = [subprocess.Popen(c, env=subprocess_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for c in commands]
-  parts = tmp_path / 'two.txt.parts'
-  deadline = time.monotonic() + 300
-  while len(list(parts.glob('part-*.jsonl'))) < 2 and time.monotonic() < deadline and processes[0].poll() is None:
-    time.sleep(0.05)
-  processes[1].kill()
-  killed_at = time.monotonic()
-  logs = [p.communicate(timeout=120)[0] for p in processes]
-  print(f'process 0 exited {time.monotonic() - killed_at:.1f} s after process 1 was killed')
-  assert processes[0].returncode == 1, logs[0][-3000:]
-  assert logs[0].strip().splitlines()[-1].startswith('error: process 1 of 2 stopped responding 5 s ago'), logs[0][-3000:]
-  assert not output.exists()
-  committed = len(list(parts.glob('part-*.jsonl')))
-  assert 2 <= committed < 12
-
-  processes = [subprocess.Popen(c, env=subprocess_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for c in _translate_commands([f'--workdir={workdir}', f'--input={source}', f'--output={output}', '--part_lines=8'])]
-  logs = [p.communicate(timeout=300)[0] for p in processes]
-  assert [p.returncode for p in processes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-  assert f'going on after {committed} of 12 parts committed' in logs[0]
-  assert output.read_bytes() == expected.read_bytes()
-  assert not parts.exists()

@@ -4,6 +4,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -217,22 +218,25 @@ def test_bfloat16_step_has_no_float32_dot_products(tiny_config, fused):
   assert len(float32_dot_products(f32_text)) == f32_text.count('stablehlo.dot_general') == total
 
 
-def _window_means(tiny_config, dtype: str, seeds, batches, steps=200, window=25) -> np.ndarray:
-  """[len(seeds), steps // window]: mean losses of each window of `steps` steps cycling over `batches`, one run
-  per dropout seed, all from the same initial parameters (one compilation for the dtype)."""
+def _window_means(tiny_config, dtype: str, seeds, batches, count=200, window=25) -> np.ndarray:
+  """[len(seeds), count // window]: mean losses of each window of `count` steps cycling over `batches`, one run
+  per dropout seed, all from the same initial parameters, the seeds' runs side by side in one vmapped step."""
   tiny_config.model.dtype = dtype
   model_config = settings.model_settings(tiny_config)
   mesh = partitioning.create_mesh((1, 1, 1), jax.devices()[:1])
-  initial, train_step = make_step(tiny_config, model_config, mesh)
-  curves = []
-  for seed in seeds:
-    state = jax.tree_util.tree_map(lambda x: x.copy(), initial)  # the step donates its state
-    losses = []
-    for i in range(steps):
-      state, metrics = train_step(state, batches[i % len(batches)], jax.random.key(seed, impl='rbg'))
-      losses.append(metrics['loss'])
-    curves.append(np.asarray(jax.device_get(losses)).reshape(steps // window, window).mean(axis=1))
-  return np.stack(curves)
+  initial, _ = train_state.create_train_state(model_config, settings.resolve(tiny_config).optimizer, mesh,
+                                              jax.random.key(tiny_config.seed, impl=tiny_config.dropout_rng_impl))
+  step = functools.partial(steps.train_step, model_config=model_config, label_smoothing=tiny_config.label_smoothing,
+                           gradient_accumulation_steps=1, ema_decay=0.0)
+  each_seed = jax.jit(jax.vmap(step, in_axes=(0, None, 0)), donate_argnums=0)
+  state = jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(seeds)), initial)  # [seeds, ...] per leaf
+  keys = jnp.stack([jax.random.key(seed, impl='rbg') for seed in seeds])
+  losses = []
+  with partitioning.mesh_context(mesh):
+    for i in range(count):
+      state, metrics = each_seed(state, batches[i % len(batches)], keys)
+      losses.append(metrics['loss'])  # [seeds]
+  return np.asarray(jax.device_get(losses)).T.reshape(len(seeds), count // window, window).mean(axis=2)
 
 
 @pytest.mark.slow

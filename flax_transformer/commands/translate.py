@@ -357,9 +357,7 @@ def load(f):
 def translate(f, argv: list[str] = ()) -> None:
   """The program: on one process, or on each of several (the cluster flags, or the cluster's environment), where
   an error on one stops every other with the same line, as a training run's processes do."""
-  from flax_transformer import tensorflow_setup
-  tensorflow_setup.import_quietly()
-  import jax
+  import jax  # TensorFlow is never imported: translation reads text with Python and SentencePiece
   from flax_transformer import cluster, platforms
   check_flags(f, argv)
   platforms.enable_compilation_cache()  # each engine program compiled once, for every later translation
