@@ -296,7 +296,7 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   encoded = encode_sentences(translator.processor, sentences)
   for name, model in (('beam 4', translator), ("beam 4, beam_stop='beam_ended'", beam_ended), ('greedy', translator)):
     beam = 1 if name == 'greedy' else 4
-    strategy = search.strategy_for(beam, model.length_penalty_alpha, model.beam_top_k, None, model.beam_stop)
+    strategy = search.strategy_for(model.decoding.replace(beam_size=beam))
     shape = engine.Engine(model.model, model.params, strategy, slots=model.decoding.decode_slots,
                           max_extra_length=model.max_extra_length, max_positions=model.max_positions).shape(encoded)
     programs = shape.programs

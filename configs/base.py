@@ -88,10 +88,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.storage_timeout_seconds = 300  # A checkpoint save or metrics write still unfinished after this stops the run.
 
   # --- Decoding (§6.1) ---
+  config.strategy = 'beam'  # 'beam' (§6.1), 'greedy', or 'sampling' (with the four settings below).
   config.beam_size = 4
   config.length_penalty_alpha = 0.6
   config.max_extra_length = 50  # Maximum output length = input length + 50.
   config.beam_stop = 'bound'  # A sentence's beam stops once no live hypothesis can beat its best ended one.
+  config.temperature = 1.0  # sampling: logits / temperature; then the k most probable (0: all), then the
+  config.top_k = 0  # most probable whose probabilities add up to top_p (1.0: all).
+  config.top_p = 1.0
+  config.num_samples = 1  # sampling: translations drawn per sentence.
+  config.sampling_seed = 0  # sampling: a sentence's samples depend only on this, its number and theirs.
   config.decode_slots = 128  # Sentences decoded at once by the engine, each refilled as it finishes.
   config.average_last = 5  # Checkpoints averaged for the final model (base: 5).
   config.beam_top_k = 'auto'  # 'two_stage' (block maxima first, faster on CPU) or 'lax' (jax.lax.top_k); auto: by platform.

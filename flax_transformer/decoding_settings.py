@@ -13,7 +13,10 @@ from flax_transformer import fields
 from flax_transformer.errors import ArgumentError
 from flax_transformer.fields import setting
 
+STRATEGIES = ('beam', 'greedy', 'sampling')  # search.STRATEGIES' names: how a sentence's output is chosen
 BEAM_STOPS = ('bound', 'beam_ended')  # search.beam_search's stopping rules
+SAMPLING = {'temperature': 1.0, 'top_k': 0, 'top_p': 1.0, 'num_samples': 1}  # sampling's settings, and their neutral
+# values, which every other strategy has
 TOP_K = ('two_stage', 'lax')  # search.top_k's two ways; a run's 'auto' picks one per platform (platforms.top_k)
 BLEU_TOKENIZERS = tuple(sorted(sacrebleu.metrics.BLEU.TOKENIZERS))  # sacreBLEU's own list
 
@@ -22,7 +25,10 @@ BLEU_TOKENIZERS = tuple(sorted(sacrebleu.metrics.BLEU.TOKENIZERS))  # sacreBLEU'
 class DecodeSettings:
   """§6.1 decoding and its scoring: config fields of these names, the Translator's keyword arguments and
   translate.py's flags."""
-  beam_size: int = setting('§6.1 beam size (4); 1 is greedy search.', minimum=1, default=4)
+  strategy: str = setting("How each output is chosen (search.STRATEGIES): 'beam' (§6.1), 'greedy' (the most "
+                          "probable token at each step) or 'sampling' (drawn from the model's distribution: "
+                          "back-translation).", choices=STRATEGIES, before='beam', default='beam')
+  beam_size: int = setting('§6.1 beam size (4); a beam of 1 decodes as greedy search does.', minimum=1, default=4)
   length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
                                         high=float('inf'), default=0.6)
   max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0,
@@ -35,6 +41,16 @@ class DecodeSettings:
   beam_top_k: str = setting("How the beam's top-k (and greedy's best token) is found: 'two_stage' (block maxima "
                             "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.",
                             choices=TOP_K + ('auto',), before='auto', default='auto')
+  temperature: float = setting("Sampling: the model's logits divided by this before drawing (1: its own "
+                               "distribution; lower: closer to greedy).", greater=0.0, before=1.0, default=1.0)
+  top_k: int = setting('Sampling: draw from the k most probable tokens only (0: all).', minimum=0, before=0,
+                       default=0)
+  top_p: float = setting('Sampling: draw from the most probable tokens whose probabilities add up to p (nucleus '
+                         'sampling; 1: all).', check=lambda value: _probability('config.top_p', value), before=1.0,
+                         default=1.0)
+  num_samples: int = setting('Sampling: translations drawn per sentence.', minimum=1, before=1, default=1)
+  sampling_seed: int = setting("Sampling: the seed; a sentence's samples depend only on it, the sentence's "
+                               'number and the sample\'s.', minimum=0, before=0, default=0)
   decode_slots: int = setting('Sentences the decoding engine decodes at once (engine.py), each with its beam; '
                               'a finished one hands its slot to the next.', minimum=1, before=128, default=128)
   eval_tokens_per_batch: int = setting('Source tokens of a batch scored or aligned under teacher forcing, and of '
@@ -50,10 +66,27 @@ class DecodeSettings:
       raise ArgumentError(f'{unknown[0]}= is not a decoding setting; the decoding settings are {", ".join(known)}')
     changes = {name: value for name, value in changes.items() if value is not None}
     check(changes)
-    return dataclasses.replace(self, **changes)
+    changed = dataclasses.replace(self, **changes)
+    check({name: getattr(changed, name) for name in ('strategy', *SAMPLING)})  # sampling's settings, with sampling
+    return changed
+
+
+def _probability(name: str, value) -> None:
+  from flax_transformer.errors import ConfigError
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    raise ConfigError(f'{name}={value!r}: must be in (0, 1] (1: every token)')
 
 
 def check(values: dict, spelled=lambda name: name) -> None:
   """Decoding values ({field: value}; None: not given), wherever they come from: a one-line error naming each
   as the caller wrote it (`spelled(name)`: '--alpha', 'length_penalty_alpha', ...)."""
   fields.check_values(DecodeSettings, values, spelled)
+  if values.get('top_p') is not None:
+    _probability(spelled('top_p'), values['top_p'])
+  strategy = values.get('strategy')
+  if strategy is not None and strategy != 'sampling':
+    for name, neutral in SAMPLING.items():
+      if values.get(name) is not None and values[name] != neutral:
+        fix = 'for the K best of the beam give --n_best=K' if name == 'num_samples' else 'leave it out'
+        raise ArgumentError(f'{spelled(name)}={values[name]!r} is a setting of sampling and the strategy is '
+                            f'{strategy!r}; give {spelled("strategy")}=sampling, or {fix}')

@@ -25,6 +25,7 @@ import numpy as np
 
 from flax_transformer import search
 from flax_transformer.constants import EOS_ID
+from flax_transformer.decoding_settings import DecodeSettings
 
 SOURCE_ROUNDING = 16  # source lengths are rounded up to a multiple of this: a few shapes, a few compilations
 SMALLEST_SLOTS = 8
@@ -95,16 +96,17 @@ def encode(params, inputs, *, model) -> tuple:
   return tuple(m.apply({'params': p}, inputs, method=m.memory) for m, p in zip(models, member_params))
 
 
-def admit(params, state, memories, picks, rows, *, model, strategy: search.Strategy, max_extra_length: int,
+def admit(params, state, memories, picks, rows, keys, *, model, strategy: search.Strategy, max_extra_length: int,
           max_output_length: int, mesh=None):
   """The state with the encoded sentences `picks` [P] of `memories` (from `encode`) started in slots `rows` [P]
-  (S for a padding row, left out); each may produce its source length (EOS included) + max_extra_length tokens."""
+  (S for a padding row, left out) with their keys [P, 2] (search.sentence_keys; a random strategy's); each may
+  produce its source length (EOS included) + max_extra_length tokens."""
   del params
   models, _ = search.members(model, ())
   chosen = tuple(jax.tree_util.tree_map(lambda x: x[picks], memory) for memory in memories)
   caches = tuple(type(m).insert(c, memory, rows) for m, c, memory in zip(models, state['cache'], chosen))
   max_lengths = jnp.minimum(chosen[0]['lengths'] + max_extra_length, max_output_length)
-  return spread(strategy.start({**state, 'cache': caches}, rows, max_lengths), mesh)
+  return spread(strategy.start({**state, 'cache': caches}, rows, max_lengths, keys), mesh)
 
 
 def generate(params, state, want, *, model, strategy: search.Strategy, mesh=None):
@@ -141,7 +143,9 @@ def jitted_translate(model, beam_size: int, length_penalty_alpha: float, max_ext
                      beam_stop: str = 'bound'):
   """translate_batch compiled for these settings, (params, inputs [b, s]) -> (tokens [b, L], scores [b]), or
   with num_results=k ([b, k, L], [b, k])."""
-  strategy = search.strategy_for(beam_size, length_penalty_alpha, beam_top_k, num_results, beam_stop)
+  decoding = DecodeSettings(beam_size=beam_size, length_penalty_alpha=length_penalty_alpha, beam_top_k=beam_top_k,
+                            beam_stop=beam_stop)
+  strategy = search.strategy_for(decoding, num_results)
   run = functools.partial(translate_batch, model=model, strategy=strategy, max_extra_length=max_extra_length,
                           max_output_length=max_output_length)
 
@@ -221,11 +225,13 @@ class Engine:
     return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
                  programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length, self.mesh))
 
-  def run(self, encoded: list[list[int]], progress=None, should_stop=None):
+  def run(self, encoded: list[list[int]], progress=None, should_stop=None, keys=None):
     """Each sentence's results (ids without EOS, cut at the model's max_positions - 1; none: []), in order:
     [(tokens [L] int32 ending in EOS unless cut at the length limit, 0-padded; score), ...], `strategy.kept` of
     them, best first; an empty sentence gives []. `progress(done, total)` is called after each `generate`; a true
-    `should_stop()` (checked before each) abandons the rest and returns None."""
+    `should_stop()` (checked before each) abandons the rest and returns None. keys [N, 2] uint32: each
+    sentence's random key (search.sentence_keys), for a strategy that draws (default: zeros)."""
+    keys = np.zeros((len(encoded), 2), np.uint32) if keys is None else np.asarray(keys, np.uint32)
     limit = self.max_positions - 1
     sources = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
     results = [[] for _ in sources]
@@ -253,10 +259,12 @@ class Engine:
         count = min(admit_rows, len(ahead), len(free))
         picks = np.zeros((admit_rows,), np.int32)
         rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
+        admitted_keys = np.zeros((admit_rows, 2), np.uint32)
         for row in range(count):
           picks[row], rows[row] = first - len(ahead), free.pop(0)
           occupant[int(rows[row])] = ahead.pop(0)
-        state = compiled.admit(self.params, state, encoded_ahead, picks, rows)
+          admitted_keys[row] = keys[occupant[int(rows[row])]]
+        state = compiled.admit(self.params, state, encoded_ahead, picks, rows, admitted_keys)
       waiting = len(queue) + len(ahead)
       want = min(admit_rows, waiting) if waiting else slots
       state, *outputs = compiled.generate(self.params, state, np.int32(want))

@@ -1,11 +1,13 @@
-"""§6.1 decoding strategies over slots: beam search with the GNMT length penalty, and greedy search.
+"""Decoding strategies over slots: §6.1 beam search with the GNMT length penalty, greedy search, and sampling.
 
 A strategy decodes a fixed number of slots, each one sentence's hypotheses at its own step, so that a slot
 whose sentence is done can take the next sentence while the others go on (engine.py keeps them full). Each is
 one class with the same five pure functions (`Strategy`): the state of empty slots, a sentence started in
 chosen slots, one step of every slot, which slots are done, and their results; a new strategy is one more
-class. A step drives the model through a callback `tokens_to_logits(ids [S·n, 1], steps [S], cache) ->
-(logits [S·n, v], cache)`, so any model (or a hand-made table in tests) can drive it: hypotheses of slot i
+class and a function building it from the decoding settings, registered under its name (`registered`; the
+name also goes in decoding_settings.STRATEGIES, which config, flags and the Translator accept). A step
+drives the model through a callback `tokens_to_logits(ids [S·n, 1], steps [S], cache) -> (logits [S·n, v],
+cache)`, so any model (or a hand-made table in tests) can drive it: hypotheses of slot i
 occupy rows i·n … i·n+n-1, at position steps[i]. When beams are reordered, `reorder_cache(cache, rows [S·n])`
 makes each hypothesis continue its parent's; the default gathers every leaf whose leading dimension is S·n and
 leaves the others alone; the Transformer's reorders only each hypothesis's ancestry table (model.py).
@@ -115,14 +117,16 @@ class Strategy:
   holds (rows of the model's step), `kept` the results it returns."""
   width = 1
   kept = 1
+  random = False  # draws random numbers: each sentence needs its own key (sentence_keys)
 
   def initial(self, slots: int, length: int) -> dict:
     """The state of `slots` empty slots (each done) for outputs of up to `length` tokens; no 'cache'."""
     raise NotImplementedError
 
-  def start(self, state: dict, rows: jax.Array, max_lengths: jax.Array) -> dict:
+  def start(self, state: dict, rows: jax.Array, max_lengths: jax.Array, keys: jax.Array) -> dict:
     """Slots `rows` [P] (len(slots): a padding row, left out) begin a sentence that may produce up to
-    `max_lengths` [P] tokens, EOS included (0: none, the slot is done at once)."""
+    `max_lengths` [P] tokens, EOS included (0: none, the slot is done at once). keys [P, 2] uint32: each
+    sentence's random key (sentence_keys), for a strategy that draws (`random`); the others ignore it."""
     raise NotImplementedError
 
   def step(self, state: dict, tokens_to_logits, reorder_cache) -> dict:
@@ -179,7 +183,7 @@ class BeamSearch(Strategy):
         'finished_scores': jnp.full((slots, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
     }
 
-  def start(self, state, rows, max_lengths):
+  def start(self, state, rows, max_lengths, keys=None):
     """One live hypothesis (the start symbol), none finished."""
     first = jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (self.beam_size - 1), jnp.float32)
     return {**state, 'step': _set_rows(state['step'], rows, 0),
@@ -268,7 +272,7 @@ class GreedySearch(Strategy):
             'tokens': jnp.zeros((slots, length + 1), jnp.int32), 'ended': jnp.ones((slots,), bool),
             'scores': jnp.zeros((slots,), jnp.float32)}
 
-  def start(self, state, rows, max_lengths):
+  def start(self, state, rows, max_lengths, keys=None):
     return {**state, 'step': _set_rows(state['step'], rows, 0),
             'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
             'tokens': _set_rows(state['tokens'], rows, 0), 'ended': _set_rows(state['ended'], rows, max_lengths <= 0),
@@ -293,22 +297,133 @@ class GreedySearch(Strategy):
     return state['tokens'][:, None, 1:], state['scores'][:, None]  # [S, 1, L], [S, 1]
 
 
-def strategy_for(beam_size: int, length_penalty_alpha: float, beam_top_k: str, num_results: int | None = None,
-                 beam_stop: str = 'bound') -> Strategy:
-  """The strategy of these decoding settings: greedy search for a beam of 1, else beam search."""
-  if beam_size <= 1:
-    return GreedySearch(beam_top_k)
-  return BeamSearch(beam_size, length_penalty_alpha, beam_top_k, num_results, beam_stop)
+@dataclasses.dataclass(frozen=True)
+class SamplingSearch(Strategy):
+  """Each slot draws `num_samples` translations of its sentence, token by token from the model's distribution:
+  the logits divided by `temperature`, then cut to the `top_k` most probable tokens (0: all), then to the most
+  probable whose probabilities add up to `top_p` (the token that crosses p included; 1: all), renormalised
+  (fairseq's and CTranslate2's order); the padding token is never drawn. A sample's score is its
+  log-probability under the model itself (temperature 1, nothing cut). The random bits of sample j of a
+  sentence at step t come from the sentence's key (start's `keys`) folded with j and t: the same samples
+  whatever slot, batch, device or process the sentence lands in. Samples are returned in their order."""
+  num_samples: int = 1
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int = EOS_ID
+  random = True
+
+  width = property(lambda self: self.num_samples)
+  kept = property(lambda self: self.num_samples)
+
+  def initial(self, slots, length):
+    k = self.num_samples
+    return {'step': jnp.zeros((slots,), jnp.int32), 'max_lengths': jnp.zeros((slots,), jnp.int32),
+            'tokens': jnp.zeros((slots, k, length + 1), jnp.int32), 'ended': jnp.ones((slots, k), bool),
+            'scores': jnp.zeros((slots, k), jnp.float32), 'keys': jnp.zeros((slots, 2), jnp.uint32)}
+
+  def start(self, state, rows, max_lengths, keys=None):
+    return {**state, 'step': _set_rows(state['step'], rows, 0),
+            'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
+            'tokens': _set_rows(state['tokens'], rows, 0),
+            'ended': _set_rows(state['ended'], rows, (max_lengths <= 0)[:, None]),
+            'scores': _set_rows(state['scores'], rows, 0.0), 'keys': _set_rows(state['keys'], rows, keys)}
+
+  def done(self, state):
+    return jnp.all(state['ended'], axis=1) | (state['step'] >= state['max_lengths'])
+
+  def sampled_logits(self, log_probs: jax.Array) -> jax.Array:
+    """log_probs [..., v] -> the logits drawn from: tempered, cut to top_k then top_p (-inf outside), no PAD."""
+    logits = jnp.where(jnp.arange(log_probs.shape[-1]) == PAD_ID, -jnp.inf, log_probs / self.temperature)
+    if self.top_k:
+      kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]  # [..., 1]
+      logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if self.top_p < 1.0:
+      ordered = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
+      probabilities = jax.nn.softmax(ordered, axis=-1)
+      before = jnp.cumsum(probabilities, axis=-1) - probabilities  # the mass of the more probable tokens
+      kept = jnp.where(before < self.top_p, ordered, jnp.inf)  # the nucleus: every token until p is reached
+      logits = jnp.where(logits < jnp.min(kept, axis=-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+  def step(self, state, tokens_to_logits, reorder_cache=gather_leading_rows):
+    step, done = state['step'], self.done(state)
+    slots, k = state['ended'].shape
+    ids = jnp.take_along_axis(state['tokens'], step[:, None, None], axis=2).reshape(slots * k, 1)  # [Sk, 1]
+    logits, cache = tokens_to_logits(ids, step, state['cache'])  # [Sk, v]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(slots, k, -1)  # [S, k, v]
+    keys = jax.random.wrap_key_data(state['keys'], impl='threefry2x32')  # [S]
+
+    def draw(key, sample, position, row_logits):  # one sample's token
+      return jax.random.categorical(jax.random.fold_in(jax.random.fold_in(key, sample), position), row_logits)
+    token = jax.vmap(jax.vmap(draw, (None, 0, None, 0)), (0, None, 0, 0))(
+        keys, jnp.arange(k), step, self.sampled_logits(log_probs))  # [S, k]
+    stopped = state['ended'] | done[:, None]  # [S, k]
+    token = jnp.where(stopped, PAD_ID, token).astype(jnp.int32)
+    log_prob = jnp.take_along_axis(log_probs, token[:, :, None], axis=2)[:, :, 0]
+    ended = stopped | (token == self.eos_id) | (step + 1 >= state['max_lengths'])[:, None]
+    written = _written(state['tokens'].reshape(slots * k, -1), jnp.repeat(step + 1, k), token.reshape(-1))
+    return {**state, 'step': jnp.where(done, step, step + 1), 'ended': ended, 'cache': cache,
+            'tokens': jnp.where(stopped[:, :, None], state['tokens'], written.reshape(state['tokens'].shape)),
+            'scores': state['scores'] + jnp.where(stopped, 0.0, log_prob)}
+
+  def output(self, state):
+    return state['tokens'][:, :, 1:], state['scores']  # [S, k, L], [S, k]
+
+
+def sentence_keys(seed: int, numbers) -> 'np.ndarray':
+  """[len(numbers), 2] uint32: the random key of each sentence, from the seed and the sentence's number alone (an
+  int, or a tuple such as (line, piece)), so its samples do not depend on where or with what it is decoded."""
+  import numpy as np
+  return np.stack([np.random.SeedSequence([seed, *(n if isinstance(n, tuple) else (n,))]).generate_state(2)
+                   for n in numbers]).astype(np.uint32).reshape(-1, 2)
+
+
+STRATEGIES = {}  # decoding_settings.STRATEGIES' names -> (DecodeSettings, num_results) -> Strategy
+
+
+def registered(name: str):
+  """A decorator registering a function that builds the strategy `name` from the decoding settings."""
+  def register(build):
+    STRATEGIES[name] = build
+    return build
+  return register
+
+
+@registered('beam')
+def _beam(decoding, num_results):
+  if decoding.beam_size <= 1:  # the same tokens, without a beam's bookkeeping
+    return GreedySearch(decoding.beam_top_k)
+  return BeamSearch(decoding.beam_size, decoding.length_penalty_alpha, decoding.beam_top_k, num_results,
+                    decoding.beam_stop)
+
+
+@registered('greedy')
+def _greedy(decoding, num_results):
+  return GreedySearch(decoding.beam_top_k)
+
+
+@registered('sampling')
+def _sampling(decoding, num_results):
+  return SamplingSearch(num_results or decoding.num_samples, decoding.temperature, decoding.top_k, decoding.top_p)
+
+
+def strategy_for(decoding, num_results: int | None = None) -> Strategy:
+  """The strategy `decoding` (decoding_settings.DecodeSettings) names, built by its registered function;
+  `num_results`: the k best of a beam, or k samples."""
+  return STRATEGIES[decoding.strategy](decoding, num_results)
 
 
 def run_to_end(strategy: Strategy, tokens_to_logits, cache, max_lengths: jax.Array, max_output_length: int,
-               reorder_cache=gather_leading_rows):
-  """Every slot started at once with `max_lengths` [S] (capped at `max_output_length`) and stepped until every
-  one is done: the strategy's output, (tokens [S, kept, L], scores [S, kept])."""
+               reorder_cache=gather_leading_rows, keys=None):
+  """Every slot started at once with `max_lengths` [S] (capped at `max_output_length`) and keys [S, 2] (a
+  random strategy's; default zeros) and stepped until every one is done: the strategy's output, (tokens
+  [S, kept, L], scores [S, kept])."""
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_output_length)
   slots = max_lengths.shape[0]
+  keys = jnp.zeros((slots, 2), jnp.uint32) if keys is None else keys
   state = strategy.start({**strategy.initial(slots, max_output_length), 'cache': cache}, jnp.arange(slots),
-                         max_lengths)
+                         max_lengths, keys)
   state = jax.lax.while_loop(lambda s: ~jnp.all(strategy.done(s)),
                              lambda s: strategy.step(s, tokens_to_logits, reorder_cache), state)
   return strategy.output(state)

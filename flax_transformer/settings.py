@@ -21,7 +21,7 @@ import typing
 
 import ml_collections
 
-from flax_transformer import fields, platforms
+from flax_transformer import decoding_settings, fields, platforms
 from flax_transformer.cluster import ClusterSettings
 from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import ConfigError
@@ -132,6 +132,8 @@ def check(config: ml_collections.ConfigDict) -> None:
       _fail(name, config[name], why)
     if field.metadata['check']:
       field.metadata['check'](config[name])
+  decoding_settings.check({name: config[name] for name in ('strategy', *decoding_settings.SAMPLING)},
+                          lambda name: f'config.{name}')  # sampling's settings with sampling only
   if not isinstance(config.cooldown_steps, int) or not 0 <= config.cooldown_steps <= config.num_train_steps:
     _fail('cooldown_steps', config.cooldown_steps,
           f'must be an integer from 0 (no cooldown) to config.num_train_steps={config.num_train_steps}')

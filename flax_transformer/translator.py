@@ -223,26 +223,30 @@ class Translator:
   def translate(self, sentences: list[str], beam_size: int | None = None, length_penalty_alpha: float | None = None,
                 *,
                 split_long: bool = False, encoded: list[list[int]] | None = None, progress=None,
-                should_stop=None) -> list[str] | None:
-    """Translations of `sentences`, in their order; an empty sentence gives an empty translation.
+                should_stop=None, numbers: list[int] | None = None) -> list[str] | None:
+    """Translations of `sentences`, in their order; an empty sentence gives an empty translation (with
+    sampling, each sentence's first sample).
 
     A sentence longer than the model takes is cut, or with `split_long` translated in pieces split at
     sentence punctuation and joined. `encoded`: the sentences' ids when the caller has them.
     `progress(done, total)` is called after each batch; a true `should_stop()` (checked before each
-    batch) abandons the rest and returns None.
+    batch) abandons the rest and returns None. `numbers`: the sentences' numbers (default 0, 1, ...), which
+    with the seed alone choose a sentence's samples (a file's line numbers: the same samples however it is cut).
     """
     sentences = texts(sentences)
     encoded = self.encode(sentences) if encoded is None else encoded
+    numbers = list(range(len(sentences))) if numbers is None else list(numbers)
     owners = list(range(len(sentences)))
     if split_long and self.too_long(encoded):
-      long, pieces, owners = set(self.too_long(encoded)), [], []
+      long, pieces, owners, piece_numbers = set(self.too_long(encoded)), [], [], []
       for i, (sentence, ids) in enumerate(zip(sentences, encoded)):
         split = (split_at_punctuation(self.processor, sentence, self.max_source_tokens)
                  if i in long else None)
         pieces += self.encode(split) if split else [ids]
         owners += [i] * (len(split) if split else 1)
-      encoded = pieces
-    hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop)
+        piece_numbers += [(numbers[i], piece) for piece in range(len(split))] if split else [numbers[i]]
+      encoded, numbers = pieces, piece_numbers
+    hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop, numbers)
     if hypotheses is None:
       return None
     translations = [''] * len(sentences)
@@ -252,13 +256,18 @@ class Translator:
 
   @renamed_keywords
   def n_best(self, sentences: list[str], k: int, beam_size: int | None = None,
-             length_penalty_alpha: float | None = None) -> list[list[tuple[str, float]]]:
+             length_penalty_alpha: float | None = None, numbers: list[int] | None = None
+             ) -> list[list[tuple[str, float]]]:
     """The `k` best translations of each sentence with their length-penalised log-probabilities (the
-    beam's own ranking), best first. The beam is max(k, beam_size) wide. An empty sentence gives []."""
+    beam's own ranking), best first. The beam is max(k, beam_size) wide. An empty sentence gives []. With
+    the sampling strategy: `k` samples of each, in their order, with their log-probabilities (`numbers` as
+    in `translate`)."""
     if not isinstance(k, int) or k < 1:
       raise UserError(f'n_best k={k!r} must be a positive integer; ask for at least one hypothesis')
     beam = max(k, self.beam_size if beam_size is None else beam_size)
-    results = self._decode(self.encode(texts(sentences)), beam, length_penalty_alpha, k)
+    if self.decoding.strategy != 'beam':
+      beam = self.beam_size
+    results = self._decode(self.encode(texts(sentences)), beam, length_penalty_alpha, k, numbers=numbers)
     return [[(text, score) for text, score in best] for best in results]
 
   def score(self, sources: list[str], targets: list[str]) -> list[float]:
@@ -294,15 +303,19 @@ class Translator:
 
   # --- Batches through the compiled programs -----------------------------------------------
 
-  def _decode(self, encoded, beam_size, length_penalty_alpha, num_results, progress=None, should_stop=None):
-    """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best."""
+  def _decode(self, encoded, beam_size, length_penalty_alpha, num_results, progress=None, should_stop=None,
+              numbers=None):
+    """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best (or samples);
+    `numbers`: the sentences' numbers, for their random keys (default 0, 1, ...)."""
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
-    self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as the settings are
-    strategy = search.strategy_for(beam_size, alpha, self.beam_top_k, num_results, self.beam_stop)
+    decoding = self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as settings are
+    strategy = search.strategy_for(decoding, num_results)
+    keys = search.sentence_keys(decoding.sampling_seed, range(len(encoded)) if numbers is None else numbers) \
+        if strategy.random else None
     decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots, mesh=self.mesh,
                             max_extra_length=self.max_extra_length, max_positions=self.max_positions)
-    results = decoder.run(encoded, progress, should_stop)
+    results = decoder.run(encoded, progress, should_stop, keys)
     self.decoding_counts.update(decoder.counts)
     if results is None:
       return None

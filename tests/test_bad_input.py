@@ -244,6 +244,23 @@ CASES = [
     Case('translate_storage_timeout_zero', ('translate', '--workdir={W}', '--input={T}/in.txt',
                                             '--storage_timeout_seconds=0'), 1,
          'error: --storage_timeout_seconds=0 must be 1 or more seconds'),
+    Case('translate_top_p_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
+                                  '--top_p=0'), 1, 'error: --top_p=0.0: must be in (0, 1] (1: every token)'),
+    Case('translate_top_k_negative', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
+                                      '--top_k=-1'), 1, 'error: --top_k=-1: must be a non-negative integer'),
+    Case('translate_temperature_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
+                                        '--temperature=0'), 1, 'error: --temperature=0.0: must be positive'),
+    Case('translate_num_samples_with_beam', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=beam',
+                                             '--num_samples=3'), 1,
+         "error: --num_samples=3 is a setting of sampling and the strategy is 'beam'; give --strategy=sampling, "
+         'or for the K best of the beam give --n_best=K'),
+    Case('translate_n_best_with_sampling', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
+                                            '--n_best=2'), 1,
+         "error: --n_best=2 lists the beam's best and --strategy=sampling draws; give --num_samples=2 for that many "
+         'samples a line'),
+    Case('train_top_p_with_beam', _train('--config.top_p=0.9'), 1,
+         "error: config.top_p=0.9 is a setting of sampling and the strategy is 'beam'; give config.strategy=sampling, "
+         'or leave it out'),
     Case('translate_decode_slots_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--decode_slots=0'), 1,
          'error: --decode_slots=0: must be a positive integer'),
     Case('translate_alpha_negative_named_as_typed', ('translate', '--workdir={W}', '--input={T}/in.txt',

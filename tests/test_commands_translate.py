@@ -2,6 +2,7 @@
 lines, BLEU, averaging, one-line errors."""
 
 import gzip
+import json
 import os
 import re
 import subprocess
@@ -186,15 +187,15 @@ def _two_processes(workdir, flags):
 
 @pytest.mark.slow
 def test_a_long_job_on_two_processes_killed_mid_way_goes_on_from_its_committed_parts(trained, tmp_path):
-  """translate.py on 2 processes × 2 devices, process 1 killed with SIGKILL once two parts are committed:
-  process 0 stops by itself within seconds, naming it. Another command on the same output is refused while
+  """translate.py drawing 2 samples a line on 2 processes × 2 devices, process 1 killed with SIGKILL once two
+  parts are committed: process 0 stops by itself within seconds, naming it. Another command on the same output is refused while
   the parts are there; the same command started again goes on after them, and the output is byte for byte
   what one process on one device writes; the parts are gone once the output is whole."""
   workdir, _ = trained
   source = tmp_path / 'in.txt'
   words = ('the', 'a', 'red', 'one', 'big', 'small', 'old', 'new', 'my', 'your')
   source.write_text(''.join(f'{first} {second} cat sat on the mat\n' for first in words for second in words[:4]))
-  flags = (f'--input={source}', '--beam_size=2', '--part_lines=4')
+  flags = (f'--input={source}', '--strategy=sampling', '--num_samples=2', '--seed=3', '--part_lines=4')
   assert _translate(workdir, *flags, f'--output={tmp_path / "whole.txt"}').returncode == 0
   output = tmp_path / 'out.txt'
   processes = _two_processes(workdir, [*flags, f'--output={output}'])
@@ -221,8 +222,10 @@ def test_a_long_job_on_two_processes_killed_mid_way_goes_on_from_its_committed_p
   assert [process.returncode for process in processes] == [0, 0], logs[0][-1500:] + logs[1][-1500:]
   committed = int(re.search(r'going on after (\d+) of 10 parts committed', logs[0]).group(1))
   assert 2 <= committed < 10
-  assert output.read_bytes() == (tmp_path / 'whole.txt').read_bytes()
+  assert output.read_bytes() == (tmp_path / 'whole.txt').read_bytes()  # the same samples of every line
   assert not (tmp_path / 'out.txt.parts').exists()
+  lines = [json.loads(line) for line in output.read_text().splitlines()]
+  assert [line['n'] for line in lines] == list(range(40)) and all(len(line['hypotheses']) == 2 for line in lines)
 
 
 @pytest.mark.slow
@@ -286,7 +289,7 @@ def test_installed_commands_are_the_scripts(tmp_path):
   script, command = run([sys.executable, os.path.join(ROOT, 'translate.py')]), run([installed])
   assert script.returncode == command.returncode == 1
   assert script.stderr.splitlines()[-1] == command.stderr.splitlines()[-1] == \
-      'error: --beam_size=0: must be a positive integer (§6.1 beam size (4); 1 is greedy search)'
+      'error: --beam_size=0: must be a positive integer (§6.1 beam size (4); a beam of 1 decodes as greedy search does)'
 
 
 def test_an_ensemble_of_a_run_with_itself_and_its_moving_average_translate(trained, tmp_path):

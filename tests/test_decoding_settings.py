@@ -37,7 +37,7 @@ def test_every_value_is_checked_once_for_every_caller(changes, message):
 def test_replace_keeps_what_is_not_given_and_refuses_a_name_it_does_not_know():
   changed = DecodeSettings().replace(beam_size=1, length_penalty_alpha=None)
   assert (changed.beam_size, changed.length_penalty_alpha) == (1, 0.6)
-  with pytest.raises(ArgumentError, match='^beam= is not a decoding setting; the decoding settings are beam_size, '):
+  with pytest.raises(ArgumentError, match='^beam= is not a decoding setting; the decoding settings are strategy, beam_size, '):
     DecodeSettings().replace(beam=2)
 
 
@@ -49,3 +49,14 @@ def test_translate_flags_offer_the_declared_values():
     assert tuple(flag_values[name].parser.enum_values) == declared[name]
   assert set(translate.DECODING_FLAGS) <= set(declared)
   assert decoding_settings.BLEU_TOKENIZERS == declared['bleu_tokenize']
+
+
+def test_every_strategy_a_setting_names_is_registered_and_each_is_built_from_the_settings():
+  from flax_transformer import search
+  assert sorted(search.STRATEGIES) == sorted(decoding_settings.STRATEGIES)
+  built = {name: search.strategy_for(DecodeSettings(strategy=name, beam_top_k='lax')) for name in search.STRATEGIES}
+  assert isinstance(built['beam'], search.BeamSearch) and isinstance(built['greedy'], search.GreedySearch)
+  assert built['sampling'] == search.SamplingSearch(1, 1.0, 0, 1.0) and built['sampling'].random
+  assert search.strategy_for(DecodeSettings(strategy='sampling', num_samples=3, top_p=0.5), 5).num_samples == 5
+  with pytest.raises(ArgumentError, match=r"^top_p=0.5 is a setting of sampling and the strategy is 'greedy'"):
+    DecodeSettings(strategy='greedy').replace(top_p=0.5)

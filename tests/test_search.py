@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from flax_transformer import attention, engine, search
+from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.model import Transformer
 from tests.conftest import random_batch
 
@@ -376,7 +377,7 @@ def test_slots_refilled_in_any_order_give_each_sentence_its_own_search(small_mod
   model = Transformer(config)
   params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(6), inputs, inputs)['params'])
   encoded = [[int(t) for t in row if t > 1] for row in inputs]
-  strategy = search.strategy_for(beam, 0.6, 'two_stage', results)
+  strategy = search.strategy_for(DecodeSettings(beam_size=beam, beam_top_k='two_stage'), results)
   length = engine.decode_length(16, 4, config.max_positions)
   whole = engine.jitted_translate(model, beam, 0.6, 4, length, 'two_stage', results)(params, np.pad(inputs, ((0, 0), (0, 7))))
   whole_tokens, whole_scores = (np.asarray(x).reshape(64, -1, *x.shape[2 if results else 1:]) for x in whole)
@@ -399,3 +400,85 @@ def test_slots_refilled_in_any_order_give_each_sentence_its_own_search(small_mod
   for i in (0, 17):
     (tokens, score), *_ = alone.run([encoded[i]])[0]
     np.testing.assert_array_equal(tokens, whole_tokens[i, 0])
+
+
+# --- Sampling ------------------------------------------------------------------------------
+
+def _renormalised(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+  """The distribution sampling should draw from, written out in numpy: softmax(logits / T) without the padding
+  token, cut to the k most probable, then to the most probable whose mass reaches p, renormalised."""
+  probabilities = np.exp(logits / temperature - np.max(logits / temperature))
+  probabilities[0] = 0.0  # PAD_ID is never drawn
+  order = np.argsort(-probabilities)
+  keep = np.zeros(len(logits), bool)
+  keep[order[:top_k or len(logits) - 1]] = True
+  nucleus = probabilities * keep / np.sum(probabilities * keep)
+  mass = 0.0
+  for token in order:
+    if keep[token] and mass >= top_p:
+      keep[token] = False
+    mass += nucleus[token]
+  return probabilities * keep / np.sum(probabilities * keep)
+
+
+@pytest.mark.parametrize('temperature,top_k,top_p', [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.6), (1.5, 6, 0.8)])
+def test_sampling_draws_from_the_tempered_top_k_top_p_distribution(temperature, top_k, top_p):
+  """4,096 first tokens (512 sentences × 8 samples, each its own key) of a model whose every step gives the same
+  12 logits: their counts fit the distribution written out in numpy (chi-square below its 1 - 1e-6 quantile: a
+  bound from the sample size, not a tolerance), and no token outside it is ever drawn."""
+  from scipy import stats
+  logits = np.array([0.3, 2.0, 1.6, 1.1, 0.9, 0.6, 0.2, -0.1, -0.5, -0.9, 1.4, -2.0], np.float32)
+  sentences, samples = 512, 8
+  strategy = search.SamplingSearch(samples, temperature, top_k, top_p)
+
+  def tokens_to_logits(ids, steps, cache):
+    return jnp.broadcast_to(logits, (ids.shape[0], logits.size)), cache
+  keys = search.sentence_keys(7, range(sentences))
+  tokens, scores = jax.jit(lambda keys: search.run_to_end(strategy, tokens_to_logits, jnp.zeros(()),
+                                                          jnp.ones((sentences,)), 1, keys=keys))(keys)
+  first = np.asarray(tokens)[:, :, 0].reshape(-1)
+  counts = np.bincount(first, minlength=logits.size)
+  expected = _renormalised(logits.astype(np.float64), temperature, top_k, top_p)
+  assert counts[expected == 0].sum() == 0
+  support = expected > 0
+  statistic = np.sum((counts[support] - first.size * expected[support]) ** 2 / (first.size * expected[support]))
+  bound = stats.chi2.ppf(1 - 1e-6, support.sum() - 1)
+  print(f'T={temperature} k={top_k} p={top_p}: {support.sum()} tokens, chi-square {statistic:.1f} < {bound:.1f}')
+  assert statistic < bound
+  log_probabilities = logits - np.log(np.sum(np.exp(logits)))  # the model's own: the score of each sample
+  np.testing.assert_allclose(np.asarray(scores).reshape(-1), log_probabilities[first], rtol=1e-5)
+
+
+def test_a_sentences_samples_depend_on_the_seed_and_its_number_alone(small_model_config):
+  """40 sentences, 3 samples each at temperature 1.5 and top-p 0.9, through 8 slots in one order and 32 in
+  another, on one device and on two: each sentence gets the same samples (its key comes from the seed and its
+  number); another seed gives others; a temperature near 0 gives greedy search's tokens and scores."""
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  inputs = random_batch(np.random.default_rng(3), 40, 9, 5, config.vocab_size)['inputs']
+  model = Transformer(config)
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(6), inputs, inputs)['params'])
+  encoded = [[int(t) for t in row if t > 1] for row in inputs]
+  order = np.random.default_rng(0).permutation(len(encoded))
+
+  def sampled(strategy, slots, mesh=None, seed=5, shuffled=False):
+    indices = order if shuffled else np.arange(len(encoded))
+    placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())) if mesh else params
+    decoder = engine.Engine(model, placed, strategy, slots=slots, max_extra_length=4, max_positions=64, mesh=mesh)
+    results = decoder.run([encoded[i] for i in indices], keys=search.sentence_keys(seed, indices))
+    found = [None] * len(encoded)
+    for i, result in zip(indices, results):
+      found[i] = [(np.trim_zeros(np.asarray(tokens), 'b').tolist(), score) for tokens, score in result]
+    return found
+  sampling = search.SamplingSearch(3, 1.5, 0, 0.9)
+  first = sampled(sampling, 8)
+  assert len({tuple(map(tuple, (t for t, _ in samples))) for samples in first}) > 30  # they do differ
+  assert any(len({tuple(t) for t, _ in samples}) > 1 for samples in first)  # within a sentence too
+  for other in (sampled(sampling, 32, shuffled=True), sampled(sampling, 8, engine.decoding_mesh(2), shuffled=True)):
+    for mine, theirs in zip(first, other):
+      assert [t for t, _ in mine] == [t for t, _ in theirs]
+      np.testing.assert_allclose([s for _, s in mine], [s for _, s in theirs], rtol=1e-5, atol=1e-5)
+  assert [[t for t, _ in s] for s in sampled(sampling, 8, seed=6)] != [[t for t, _ in s] for s in first]
+  cold = sampled(search.SamplingSearch(1, 1e-6), 8)
+  greedy = sampled(search.GreedySearch(), 8)
+  assert [[t for t, _ in s] for s in cold] == [[t for t, _ in s] for s in greedy]
+  np.testing.assert_allclose([s[0][1] for s in cold], [s[0][1] for s in greedy], rtol=1e-5)

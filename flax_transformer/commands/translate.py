@@ -40,7 +40,18 @@ def define(flag_values, argv) -> None:
   define('string', 'output', '-', 'Where to write the output lines, or - for stdout.')
   define('string', 'reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
          'targets to score.')
+  flags.DEFINE_enum('strategy', None, list(decoding_settings.STRATEGIES), 'How each output is chosen (default: the '
+                    'config\'s strategy): beam (§6.1), greedy, or sampling (--temperature, --top_k, --top_p, '
+                    '--num_samples, --seed).', flag_values=flag_values)
   define('integer', 'beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
+  define('float', 'temperature', None, 'Sampling: divide the logits by this before drawing (default 1).')
+  define('integer', 'top_k', None, 'Sampling: draw among the k most probable tokens (default 0: all).')
+  define('float', 'top_p', None, 'Sampling: draw among the most probable tokens whose probabilities add up to p '
+         '(nucleus; default 1: all).')
+  define('integer', 'num_samples', None, 'Sampling: translations drawn per line, written as JSON lines as --n_best '
+         'writes them (default 1: the sample alone).')
+  define('integer', 'sampling_seed', None, "Sampling: the seed (default the config's, 0); a line's samples depend "
+         'only on it and the line\'s number.')
   define('float', 'length_penalty_alpha', None, 'Length-penalty exponent α (default: the config\'s).')
   flags.DEFINE_enum('beam_stop', None, list(decoding_settings.BEAM_STOPS), 'When a sentence\'s beam stops (default: '
                     'the config\'s beam_stop): bound (once no live hypothesis can beat the best ended one) or '
@@ -77,10 +88,11 @@ def define(flag_values, argv) -> None:
 
 
 STREAM_LINES = 256  # the most stdin lines translated together
-DECODING_FLAGS = ('beam_size', 'length_penalty_alpha', 'decode_slots', 'eval_tokens_per_batch', 'beam_stop')  # DecodeSettings' names
+DECODING_FLAGS = ('strategy', 'beam_size', 'length_penalty_alpha', 'decode_slots', 'eval_tokens_per_batch', 'beam_stop',
+                  'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed')  # DecodeSettings' names
 
 
-ALIASES = {'alpha': 'length_penalty_alpha', 'batch_tokens': 'eval_tokens_per_batch'}  # short name -> flag
+ALIASES = {'alpha': 'length_penalty_alpha', 'batch_tokens': 'eval_tokens_per_batch', 'seed': 'sampling_seed'}  # short name -> flag
 
 
 def typed(argv: list[str], name: str) -> str:
@@ -97,6 +109,11 @@ def check_flags(f, argv: list[str] = ()) -> None:
   decoding_settings.check({name: getattr(f, name) for name in DECODING_FLAGS}, lambda name: typed(argv, name))
   if f.n_best < 0:
     raise UserError(f'--n_best={f.n_best} must be 1 or more (0 = translations only)')
+  if f.n_best and f.strategy == 'sampling':
+    raise UserError(f'--n_best={f.n_best} lists the beam\'s best and --strategy=sampling draws; give '
+                    f'--num_samples={f.n_best} for that many samples a line')
+  if f.score and f.num_samples:
+    raise UserError('--score and --num_samples write different outputs; choose one')
   if f.score and not f.reference:
     raise UserError('--score needs --reference=FILE: the target lines to score, one per input line')
   if f.score and f.n_best:
@@ -214,8 +231,9 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
             'cut to fit (--split_long translates them in pieces split at sentence punctuation)')
     print(f'warning: {len(too_long)} input line(s) longer than the model\'s {translator.max_source_tokens} tokens '
           f'(line {shown}) are {what}', file=sys.stderr)
-  if f.n_best:
-    hypotheses = translator.n_best(sources, f.n_best, f.beam_size, f.length_penalty_alpha)
+  listed = f.n_best or (translator.decoding.num_samples if translator.decoding.strategy == 'sampling' else 0)
+  if listed > 1 or f.n_best:  # the beam's n best, or several samples
+    hypotheses = translator.n_best(sources, listed, f.beam_size, f.length_penalty_alpha, numbers=numbers)
     lines, best = [], [h[0][0] if h else '' for h in hypotheses]
     for i, found in enumerate(hypotheses):
       entries = [{'text': text, 'score': round(score, 4)} for text, score in found]
@@ -225,7 +243,7 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
       lines.append(json.dumps({'n': numbers[i], 'hypotheses': entries}, ensure_ascii=False))
     return lines, best
   best = translator.translate(sources, f.beam_size, f.length_penalty_alpha, split_long=f.split_long, encoded=encoded,
-                              progress=progress)
+                              progress=progress, numbers=numbers)
   if f.alignment:
     return [f'{t} ||| {links}' for t, links in zip(best, translator.alignments(sources, best))], best
   return best, best
@@ -248,9 +266,9 @@ def shared_output_lines(translator, f, sources: list[str], targets: list[str] | 
 
 
 JOB_FILE = 'job.json'  # in OUTPUT.parts/: what the parts translate (input, model, choices)
-OUTPUT_FLAGS = ('workdir', 'checkpoint_dir', 'step', 'average_last', 'checkpoint', 'weights', 'beam_size',
-                'length_penalty_alpha', 'beam_stop', 'n_best', 'score', 'alignment', 'split_long', 'part_lines',
-                'reference')  # the flags that change what is written
+OUTPUT_FLAGS = ('workdir', 'checkpoint_dir', 'step', 'average_last', 'checkpoint', 'weights', 'strategy', 'beam_size',
+                'length_penalty_alpha', 'beam_stop', 'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed',
+                'n_best', 'score', 'alignment', 'split_long', 'part_lines', 'reference')  # what changes the output
 
 
 def parts_folder(output: str) -> str:
@@ -346,7 +364,8 @@ def load(f):
   """The Translator the flags name: one workdir's model (its weights and checkpoints as --weights, --checkpoint,
   --step, --average_last say) or an ensemble's."""
   from flax_transformer.translator import Translator
-  overrides = {name: getattr(f, name) for name in ('decode_slots', 'eval_tokens_per_batch', 'beam_stop')}  # None: the run's
+  overrides = {name: getattr(f, name) for name in DECODING_FLAGS if name not in ('beam_size', 'length_penalty_alpha')}
+  # (None: the run's; the beam size and α go to each call)
   chosen = {'step': f.step, 'average_last': f.average_last, 'checkpoint': f.checkpoint, 'weights': f.weights,
             'devices': f.devices}
   if len(workdirs(f)) > 1:
