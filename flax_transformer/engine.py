@@ -96,17 +96,17 @@ def encode(params, inputs, *, model) -> tuple:
   return tuple(m.apply({'params': p}, inputs, method=m.memory) for m, p in zip(models, member_params))
 
 
-def admit(params, state, memories, picks, rows, keys, *, model, strategy: search.Strategy, max_extra_length: int,
+def admit(params, state, memories, picks, rows, given, *, model, strategy: search.Strategy, max_extra_length: int,
           max_output_length: int, mesh=None):
   """The state with the encoded sentences `picks` [P] of `memories` (from `encode`) started in slots `rows` [P]
-  (S for a padding row, left out) with their keys [P, 2] (search.sentence_keys; a random strategy's); each may
-  produce its source length (EOS included) + max_extra_length tokens."""
+  (S for a padding row, left out) with what they bring (`given`: search.sentence_inputs' keys and prefixes,
+  [P, ...] each); each may produce its source length (EOS included) + max_extra_length tokens."""
   del params
   models, _ = search.members(model, ())
   chosen = tuple(jax.tree_util.tree_map(lambda x: x[picks], memory) for memory in memories)
   caches = tuple(type(m).insert(c, memory, rows) for m, c, memory in zip(models, state['cache'], chosen))
   max_lengths = jnp.minimum(chosen[0]['lengths'] + max_extra_length, max_output_length)
-  return spread(strategy.start({**state, 'cache': caches}, rows, max_lengths, keys), mesh)
+  return spread(strategy.start({**state, 'cache': caches}, rows, max_lengths, given), mesh)
 
 
 def generate(params, state, want, *, model, strategy: search.Strategy, mesh=None):
@@ -225,13 +225,13 @@ class Engine:
     return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
                  programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length, self.mesh))
 
-  def run(self, encoded: list[list[int]], progress=None, should_stop=None, keys=None):
+  def run(self, encoded: list[list[int]], progress=None, should_stop=None, keys=None, prefixes=None):
     """Each sentence's results (ids without EOS, cut at the model's max_positions - 1; none: []), in order:
     [(tokens [L] int32 ending in EOS unless cut at the length limit, 0-padded; score), ...], `strategy.kept` of
     them, best first; an empty sentence gives []. `progress(done, total)` is called after each `generate`; a true
     `should_stop()` (checked before each) abandons the rest and returns None. keys [N, 2] uint32: each
-    sentence's random key (search.sentence_keys), for a strategy that draws (default: zeros)."""
-    keys = np.zeros((len(encoded), 2), np.uint32) if keys is None else np.asarray(keys, np.uint32)
+    sentence's random key (search.sentence_keys), for a strategy that draws (default: zeros); `prefixes`: the
+    ids each output must begin with (default: none; each shorter than its sentence's length limit)."""
     limit = self.max_positions - 1
     sources = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
     results = [[] for _ in sources]
@@ -241,6 +241,7 @@ class Engine:
     total, finished = len(queue), 0
     shape = self.shape(encoded)
     slots, admit_rows = shape.slots, shape.admit_rows
+    brought = search.sentence_inputs(len(encoded), shape.max_output_length, keys, prefixes)  # [N, ...] each
     compiled = shape.programs
     state = compiled.empty(self.params)
     free, occupant = list(range(slots)), {}
@@ -259,12 +260,12 @@ class Engine:
         count = min(admit_rows, len(ahead), len(free))
         picks = np.zeros((admit_rows,), np.int32)
         rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
-        admitted_keys = np.zeros((admit_rows, 2), np.uint32)
+        admitted = np.zeros((admit_rows,), np.int32)  # their sentences (padding rows: sentence 0's, unused)
         for row in range(count):
           picks[row], rows[row] = first - len(ahead), free.pop(0)
-          occupant[int(rows[row])] = ahead.pop(0)
-          admitted_keys[row] = keys[occupant[int(rows[row])]]
-        state = compiled.admit(self.params, state, encoded_ahead, picks, rows, admitted_keys)
+          occupant[int(rows[row])] = admitted[row] = ahead.pop(0)
+        given = {name: values[admitted] for name, values in brought.items()}
+        state = compiled.admit(self.params, state, encoded_ahead, picks, rows, given)
       waiting = len(queue) + len(ahead)
       want = min(admit_rows, waiting) if waiting else slots
       state, *outputs = compiled.generate(self.params, state, np.int32(want))

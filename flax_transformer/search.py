@@ -111,6 +111,43 @@ def _set_rows(x: jax.Array, rows: jax.Array, value) -> jax.Array:
   return x.at[rows].set(value, mode='drop')
 
 
+def sentence_inputs(count: int, length: int, keys=None, prefixes=None) -> dict:
+  """What `count` sentences bring to Strategy.start for outputs of up to `length` tokens: keys [count, 2]
+  uint32 (default zeros) and their prefixes (lists of ids, default none) as 'prefix' [count, length + 1]
+  int32 and 'prefix_lengths' [count] (numpy arrays)."""
+  import numpy as np
+  prefix, lengths = np.zeros((count, length + 1), np.int32), np.zeros((count,), np.int32)
+  for i, ids in enumerate(prefixes or ()):
+    prefix[i, :len(ids)], lengths[i] = ids, len(ids)
+  keys = np.zeros((count, 2), np.uint32) if keys is None else np.asarray(keys, np.uint32)
+  return {'keys': keys, 'prefix': prefix, 'prefix_lengths': lengths}
+
+
+def _prefix_state(slots: int, length: int) -> dict:
+  return {'prefix': jnp.zeros((slots, length + 1), jnp.int32), 'prefix_lengths': jnp.zeros((slots,), jnp.int32)}
+
+
+def _start_prefix(state: dict, rows, given: dict) -> dict:
+  return {'prefix': _set_rows(state['prefix'], rows, given['prefix']),
+          'prefix_lengths': _set_rows(state['prefix_lengths'], rows, given['prefix_lengths'])}
+
+
+def forced(state: dict, logits: jax.Array, width: int):
+  """A step's logits [S·n, v] in slots still inside their prefix: every token but the prefix's next one at
+  IMPOSSIBLE_SCORE. Returns (those logits, forcing [S·n, 1] bool, the raw logits' log-normaliser [S·n, 1] where
+  forcing), the normaliser computed only on steps where some slot is forcing."""
+  step = state['step']
+  forcing = jnp.repeat(step < state['prefix_lengths'], width)[:, None]  # [Sn, 1]
+  token = jnp.repeat(jnp.take_along_axis(state['prefix'], step[:, None], axis=1), width, axis=0)  # [Sn, 1]
+
+  def force(logits):
+    allowed = ~forcing | (jnp.arange(logits.shape[-1]) == token)
+    return jnp.where(allowed, logits, IMPOSSIBLE_SCORE), jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  masked, normaliser = jax.lax.cond(jnp.any(forcing), force,
+                                    lambda logits: (logits, jnp.zeros(forcing.shape, logits.dtype)), logits)
+  return masked, forcing, normaliser
+
+
 class Strategy:
   """How each slot decodes its sentence: one class per strategy, with these pure functions of the search state
   (a dict of [S, ...] arrays plus the model's 'cache'), all jit-compatible. `width` is the hypotheses a slot
@@ -123,10 +160,11 @@ class Strategy:
     """The state of `slots` empty slots (each done) for outputs of up to `length` tokens; no 'cache'."""
     raise NotImplementedError
 
-  def start(self, state: dict, rows: jax.Array, max_lengths: jax.Array, keys: jax.Array) -> dict:
+  def start(self, state: dict, rows: jax.Array, max_lengths: jax.Array, given: dict) -> dict:
     """Slots `rows` [P] (len(slots): a padding row, left out) begin a sentence that may produce up to
-    `max_lengths` [P] tokens, EOS included (0: none, the slot is done at once). keys [P, 2] uint32: each
-    sentence's random key (sentence_keys), for a strategy that draws (`random`); the others ignore it."""
+    `max_lengths` [P] tokens, EOS included (0: none, the slot is done at once). `given` (sentence_inputs):
+    'keys' [P, 2] uint32, each sentence's random key (sentence_keys) for a strategy that draws (`random`);
+    'prefix' [P, L + 1] and 'prefix_lengths' [P], the tokens its output must begin with (`prefixed`)."""
     raise NotImplementedError
 
   def step(self, state: dict, tokens_to_logits, reorder_cache) -> dict:
@@ -181,12 +219,13 @@ class BeamSearch(Strategy):
         'live_scores': jnp.full((slots, n), IMPOSSIBLE_SCORE, jnp.float32),  # [S, n]
         'finished_tokens': jnp.zeros((slots, n, length + 1), jnp.int32),
         'finished_scores': jnp.full((slots, n), IMPOSSIBLE_SCORE, jnp.float32),  # length-penalised
+        **_prefix_state(slots, length),
     }
 
-  def start(self, state, rows, max_lengths, keys=None):
+  def start(self, state, rows, max_lengths, given):
     """One live hypothesis (the start symbol), none finished."""
     first = jnp.array([0.0] + [IMPOSSIBLE_SCORE] * (self.beam_size - 1), jnp.float32)
-    return {**state, 'step': _set_rows(state['step'], rows, 0),
+    return {**state, **_start_prefix(state, rows, given), 'step': _set_rows(state['step'], rows, 0),
             'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
             'live_tokens': _set_rows(state['live_tokens'], rows, 0),
             'live_scores': _set_rows(state['live_scores'], rows, first),
@@ -211,7 +250,9 @@ class BeamSearch(Strategy):
     slots, done = step.shape[0], self.done(state)
     ids = jnp.take_along_axis(state['live_tokens'], step[:, None, None], axis=2).reshape(slots * n, 1)  # [Sn, 1]
     logits, new_cache = tokens_to_logits(ids, step, state['cache'])
-    top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, self.beam_top_k)  # [S, 2n] each
+    logits, forcing, normaliser = forced(state, logits.astype(jnp.float32), n)
+    top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, self.beam_top_k, forcing,
+                                                  normaliser)  # [S, 2n] each
     top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [S, 2n, L+1]
     top_tokens = _written(top_tokens, step + 1, top_token)
     ends = (top_token == self.eos_id) | (step + 1 >= limits)[:, None]  # [S, 2n]: EOS, or the length limit
@@ -234,15 +275,17 @@ class BeamSearch(Strategy):
     return state['finished_tokens'][:, :kept, 1:], state['finished_scores'][:, :kept]  # [S, k, L], [S, k]
 
 
-def _extensions(live_scores, logits, n: int, beam_top_k: str):
+def _extensions(live_scores, logits, n: int, beam_top_k: str, forcing, normaliser):
   """The 2n best one-token extensions of each sentence's n live hypotheses (2n always include n that do not
-  end): live_scores [S, n], logits [S·n, v] -> (scores [S, 2n], parent beam [S, 2n], token [S, 2n])."""
+  end): live_scores [S, n], logits [S·n, v] (`forced`'s, with its `forcing` rows and their `normaliser`) ->
+  (scores [S, 2n], parent beam [S, 2n], token [S, 2n])."""
   slots = live_scores.shape[0]
   # The sentence's best 2n extensions are among each hypothesis's best 2n tokens, and log-softmax keeps a row's
   # order: pick per row on the logits, normalise only the picks (no [Sn, v] log-prob array). Padding is never
   # produced.
   per_row = min(2 * n, logits.shape[-1] - 1)
   row_logits, row_tokens, log_normalizer = best_tokens(logits.astype(jnp.float32), per_row, beam_top_k)  # [Sn, k]
+  log_normalizer = jnp.where(forcing, normaliser, log_normalizer)  # a forced token scores under the raw logits
   row_log_probs = (row_logits - log_normalizer).reshape(slots, n, per_row)  # [S, n, k]
   candidates = (live_scores[:, :, None] + row_log_probs).reshape(slots, n * per_row)  # [S, n·k]
   top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [S, 2n]
@@ -270,10 +313,10 @@ class GreedySearch(Strategy):
   def initial(self, slots, length):
     return {'step': jnp.zeros((slots,), jnp.int32), 'max_lengths': jnp.zeros((slots,), jnp.int32),
             'tokens': jnp.zeros((slots, length + 1), jnp.int32), 'ended': jnp.ones((slots,), bool),
-            'scores': jnp.zeros((slots,), jnp.float32)}
+            'scores': jnp.zeros((slots,), jnp.float32), **_prefix_state(slots, length)}
 
-  def start(self, state, rows, max_lengths, keys=None):
-    return {**state, 'step': _set_rows(state['step'], rows, 0),
+  def start(self, state, rows, max_lengths, given):
+    return {**state, **_start_prefix(state, rows, given), 'step': _set_rows(state['step'], rows, 0),
             'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
             'tokens': _set_rows(state['tokens'], rows, 0), 'ended': _set_rows(state['ended'], rows, max_lengths <= 0),
             'scores': _set_rows(state['scores'], rows, 0.0)}
@@ -285,7 +328,9 @@ class GreedySearch(Strategy):
     step, done = state['step'], self.done(state)
     ids = jnp.take_along_axis(state['tokens'], step[:, None], axis=1)  # [S, 1]
     logits, cache = tokens_to_logits(ids, step, state['cache'])  # [S, v]
-    best, token, log_normalizer = best_tokens(logits.astype(jnp.float32), 1, self.beam_top_k)  # [S, 1]: no padding
+    logits, forcing, normaliser = forced(state, logits.astype(jnp.float32), 1)
+    best, token, log_normalizer = best_tokens(logits, 1, self.beam_top_k)  # [S, 1]: no padding
+    log_normalizer = jnp.where(forcing, normaliser, log_normalizer)
     token, log_prob = token[:, 0], best[:, 0] - log_normalizer[:, 0]  # [S]: log-softmax keeps the row's order
     token = jnp.where(done, PAD_ID, token)
     ended = done | (token == self.eos_id) | (step + 1 >= state['max_lengths'])
@@ -320,14 +365,15 @@ class SamplingSearch(Strategy):
     k = self.num_samples
     return {'step': jnp.zeros((slots,), jnp.int32), 'max_lengths': jnp.zeros((slots,), jnp.int32),
             'tokens': jnp.zeros((slots, k, length + 1), jnp.int32), 'ended': jnp.ones((slots, k), bool),
-            'scores': jnp.zeros((slots, k), jnp.float32), 'keys': jnp.zeros((slots, 2), jnp.uint32)}
+            'scores': jnp.zeros((slots, k), jnp.float32), 'keys': jnp.zeros((slots, 2), jnp.uint32),
+            **_prefix_state(slots, length)}
 
-  def start(self, state, rows, max_lengths, keys=None):
-    return {**state, 'step': _set_rows(state['step'], rows, 0),
+  def start(self, state, rows, max_lengths, given):
+    return {**state, **_start_prefix(state, rows, given), 'step': _set_rows(state['step'], rows, 0),
             'max_lengths': _set_rows(state['max_lengths'], rows, max_lengths),
             'tokens': _set_rows(state['tokens'], rows, 0),
             'ended': _set_rows(state['ended'], rows, (max_lengths <= 0)[:, None]),
-            'scores': _set_rows(state['scores'], rows, 0.0), 'keys': _set_rows(state['keys'], rows, keys)}
+            'scores': _set_rows(state['scores'], rows, 0.0), 'keys': _set_rows(state['keys'], rows, given['keys'])}
 
   def done(self, state):
     return jnp.all(state['ended'], axis=1) | (state['step'] >= state['max_lengths'])
@@ -356,8 +402,10 @@ class SamplingSearch(Strategy):
 
     def draw(key, sample, position, row_logits):  # one sample's token
       return jax.random.categorical(jax.random.fold_in(jax.random.fold_in(key, sample), position), row_logits)
+    masked, forcing, _ = forced(state, log_probs.reshape(slots * k, -1), k)  # the prefix's token, whatever the cut
+    drawn_from = jnp.where(forcing.reshape(slots, k, 1), masked.reshape(slots, k, -1), self.sampled_logits(log_probs))
     token = jax.vmap(jax.vmap(draw, (None, 0, None, 0)), (0, None, 0, 0))(
-        keys, jnp.arange(k), step, self.sampled_logits(log_probs))  # [S, k]
+        keys, jnp.arange(k), step, drawn_from)  # [S, k]: the prefix's token while inside it
     stopped = state['ended'] | done[:, None]  # [S, k]
     token = jnp.where(stopped, PAD_ID, token).astype(jnp.int32)
     log_prob = jnp.take_along_axis(log_probs, token[:, :, None], axis=2)[:, :, 0]
@@ -415,15 +463,15 @@ def strategy_for(decoding, num_results: int | None = None) -> Strategy:
 
 
 def run_to_end(strategy: Strategy, tokens_to_logits, cache, max_lengths: jax.Array, max_output_length: int,
-               reorder_cache=gather_leading_rows, keys=None):
-  """Every slot started at once with `max_lengths` [S] (capped at `max_output_length`) and keys [S, 2] (a
-  random strategy's; default zeros) and stepped until every one is done: the strategy's output, (tokens
-  [S, kept, L], scores [S, kept])."""
+               reorder_cache=gather_leading_rows, given=None):
+  """Every slot started at once with `max_lengths` [S] (capped at `max_output_length`) and what its sentence
+  brings (`given`: sentence_inputs', default none) and stepped until every one is done: the strategy's
+  output, (tokens [S, kept, L], scores [S, kept])."""
   max_lengths = jnp.minimum(jnp.asarray(max_lengths, jnp.int32), max_output_length)
   slots = max_lengths.shape[0]
-  keys = jnp.zeros((slots, 2), jnp.uint32) if keys is None else keys
+  given = sentence_inputs(slots, max_output_length) if given is None else given
   state = strategy.start({**strategy.initial(slots, max_output_length), 'cache': cache}, jnp.arange(slots),
-                         max_lengths, keys)
+                         max_lengths, given)
   state = jax.lax.while_loop(lambda s: ~jnp.all(strategy.done(s)),
                              lambda s: strategy.step(s, tokens_to_logits, reorder_cache), state)
   return strategy.output(state)

@@ -22,7 +22,7 @@ import numpy as np
 
 from flax_transformer import engine, losses, search, tokenizer
 from flax_transformer.sentences import encode_sentences, split_at_punctuation, translation_batches
-from flax_transformer.constants import EOS_ID, PAD_ID
+from flax_transformer.constants import EOS_ID, PAD_ID, UNK_ID
 from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import ArgumentError, UserError, WorkdirError
 from flax_transformer.model import Transformer
@@ -223,7 +223,8 @@ class Translator:
   def translate(self, sentences: list[str], beam_size: int | None = None, length_penalty_alpha: float | None = None,
                 *,
                 split_long: bool = False, encoded: list[list[int]] | None = None, progress=None,
-                should_stop=None, numbers: list[int] | None = None) -> list[str] | None:
+                should_stop=None, numbers: list[int] | None = None, prefixes: list[str] | None = None
+                ) -> list[str] | None:
     """Translations of `sentences`, in their order; an empty sentence gives an empty translation (with
     sampling, each sentence's first sample).
 
@@ -232,21 +233,26 @@ class Translator:
     `progress(done, total)` is called after each batch; a true `should_stop()` (checked before each
     batch) abandons the rest and returns None. `numbers`: the sentences' numbers (default 0, 1, ...), which
     with the seed alone choose a sentence's samples (a file's line numbers: the same samples however it is cut).
+    `prefixes`: per sentence, text its translation must begin with (forced and scored; '' for none): the
+    output starts with the prefix's own pieces.
     """
     sentences = texts(sentences)
     encoded = self.encode(sentences) if encoded is None else encoded
     numbers = list(range(len(sentences))) if numbers is None else list(numbers)
+    forced = self.encode_prefixes(prefixes, encoded)
     owners = list(range(len(sentences)))
     if split_long and self.too_long(encoded):
-      long, pieces, owners, piece_numbers = set(self.too_long(encoded)), [], [], []
+      long, pieces, owners, piece_numbers, piece_prefixes = set(self.too_long(encoded)), [], [], [], []
       for i, (sentence, ids) in enumerate(zip(sentences, encoded)):
         split = (split_at_punctuation(self.processor, sentence, self.max_source_tokens)
                  if i in long else None)
         pieces += self.encode(split) if split else [ids]
         owners += [i] * (len(split) if split else 1)
         piece_numbers += [(numbers[i], piece) for piece in range(len(split))] if split else [numbers[i]]
-      encoded, numbers = pieces, piece_numbers
-    hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop, numbers)
+        piece_prefixes += [forced[i]] + [[]] * (len(split) - 1) if split else [forced[i]]  # the first piece's
+      encoded, numbers, forced = pieces, piece_numbers, piece_prefixes
+    hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop, numbers,
+                              forced)
     if hypotheses is None:
       return None
     translations = [''] * len(sentences)
@@ -256,18 +262,20 @@ class Translator:
 
   @renamed_keywords
   def n_best(self, sentences: list[str], k: int, beam_size: int | None = None,
-             length_penalty_alpha: float | None = None, numbers: list[int] | None = None
-             ) -> list[list[tuple[str, float]]]:
+             length_penalty_alpha: float | None = None, numbers: list[int] | None = None,
+             prefixes: list[str] | None = None) -> list[list[tuple[str, float]]]:
     """The `k` best translations of each sentence with their length-penalised log-probabilities (the
     beam's own ranking), best first. The beam is max(k, beam_size) wide. An empty sentence gives []. With
-    the sampling strategy: `k` samples of each, in their order, with their log-probabilities (`numbers` as
-    in `translate`)."""
+    the sampling strategy: `k` samples of each, in their order, with their log-probabilities (`numbers` and
+    `prefixes` as in `translate`)."""
     if not isinstance(k, int) or k < 1:
       raise UserError(f'n_best k={k!r} must be a positive integer; ask for at least one hypothesis')
     beam = max(k, self.beam_size if beam_size is None else beam_size)
     if self.decoding.strategy != 'beam':
       beam = self.beam_size
-    results = self._decode(self.encode(texts(sentences)), beam, length_penalty_alpha, k, numbers=numbers)
+    encoded = self.encode(texts(sentences))
+    results = self._decode(encoded, beam, length_penalty_alpha, k, numbers=numbers,
+                           prefixes=self.encode_prefixes(prefixes, encoded))
     return [[(text, score) for text, score in best] for best in results]
 
   def score(self, sources: list[str], targets: list[str]) -> list[float]:
@@ -303,8 +311,30 @@ class Translator:
 
   # --- Batches through the compiled programs -----------------------------------------------
 
+  def encode_prefixes(self, prefixes: list[str] | None, encoded: list[list[int]]) -> list[list[int]] | None:
+    """Each prefix's ids (None: no prefixes), checked: one per sentence, every piece in the vocabulary, and
+    shorter than its sentence's length limit (the source's tokens + EOS + max_extra_length)."""
+    if prefixes is None:
+      return None
+    prefixes = texts(prefixes, 'prefixes')
+    if len(prefixes) != len(encoded):
+      raise UserError(f'{len(prefixes)} prefixes for {len(encoded)} sentences; give one prefix a sentence (\'\' for '
+                      f'none)')
+    ids = self.encode(prefixes)
+    for i, (prefix, source) in enumerate(zip(ids, encoded)):
+      if UNK_ID in prefix:
+        piece = self.processor.id_to_piece(prefix)[prefix.index(UNK_ID)]
+        raise UserError(f'prefix {i} ({prefixes[i][:40]!r}) has text the vocabulary has no piece for (near '
+                        f'{piece!r}); give a prefix in the target language\'s characters')
+      room = min(min(len(source), self.max_source_tokens) + 1 + self.max_extra_length, self.max_positions - 1)
+      if source and len(prefix) >= room:
+        raise UserError(f'prefix {i} has {len(prefix)} tokens and the output of its sentence at most {room} '
+                        f'(its source\'s tokens + EOS + max_extra_length {self.max_extra_length}), EOS included; '
+                        f'give a shorter prefix or a larger max_extra_length')
+    return ids
+
   def _decode(self, encoded, beam_size, length_penalty_alpha, num_results, progress=None, should_stop=None,
-              numbers=None):
+              numbers=None, prefixes=None):
     """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best (or samples);
     `numbers`: the sentences' numbers, for their random keys (default 0, 1, ...)."""
     beam_size = self.beam_size if beam_size is None else beam_size
@@ -315,7 +345,7 @@ class Translator:
         if strategy.random else None
     decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots, mesh=self.mesh,
                             max_extra_length=self.max_extra_length, max_positions=self.max_positions)
-    results = decoder.run(encoded, progress, should_stop, keys)
+    results = decoder.run(encoded, progress, should_stop, keys, prefixes)
     self.decoding_counts.update(decoder.counts)
     if results is None:
       return None

@@ -261,6 +261,22 @@ CASES = [
     Case('train_top_p_with_beam', _train('--config.top_p=0.9'), 1,
          "error: config.top_p=0.9 is a setting of sampling and the strategy is 'beam'; give config.strategy=sampling, "
          'or leave it out'),
+    Case('translate_prefix_file_short', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                         '--prefix_file={T}/one_prefix.txt'), 1,
+         'error: {T}/one_prefix.txt has 1 lines but the input has 3; give one prefix line per input line (an empty '
+         'line for none)', prepare=_write('{T}/one_prefix.txt', b'RED\n')),
+    Case('translate_prefix_the_vocabulary_cannot_spell', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                          '--prefix_file={T}/snowmen.txt'), 1,
+         "error: prefix 0 ('☃☃') has text the vocabulary has no piece for (near",
+         prepare=_write('{T}/snowmen.txt', '☃☃\n\n\n'.encode())),
+    Case('translate_prefix_longer_than_the_limit', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                    '--prefix_file={T}/long_prefix.txt'), 1,
+         'error: prefix 0 has 360 tokens and the output of its sentence at most 20 (its source\'s tokens + EOS + '
+         'max_extra_length 10), EOS included; give a shorter prefix or a larger max_extra_length',
+         prepare=_write('{T}/long_prefix.txt', b'RED ' * 120 + b'\n\n\n')),
+    Case('translate_prefix_with_score', ('translate', '--workdir={W}', '--input={T}/in.txt', '--reference={T}/in.txt',
+                                         '--score', '--prefix_file={T}/in.txt'), 1,
+         'error: --prefix_file starts each translation and --score scores given lines; choose one'),
     Case('translate_decode_slots_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--decode_slots=0'), 1,
          'error: --decode_slots=0: must be a positive integer'),
     Case('translate_alpha_negative_named_as_typed', ('translate', '--workdir={W}', '--input={T}/in.txt',

@@ -250,6 +250,22 @@ def test_n_best_score_and_alignment_outputs(trained, tmp_path):
   from flax_transformer.translator import Translator
   expected = Translator.from_workdir(workdir).score(source.read_text().splitlines(), reference.read_text().splitlines())
   np.testing.assert_allclose([float(score) for score, _ in rows], expected, atol=1e-4)  # printed with 4 decimals
+  # --prefix_file: each translation begins with its line's prefix (an empty line: none); scored as forced.
+  prefixes = tmp_path / 'prefixes.txt'
+  prefixes.write_text('HOUSE\n\nDOG DOG\n')
+  plain = _translate(workdir, f'--input={source}', '--beam_size=2').stdout.decode().splitlines()
+  prefixed = _translate(workdir, f'--input={source}', '--beam_size=2', f'--prefix_file={prefixes}')
+  assert prefixed.returncode == 0, prefixed.stderr.decode()[-1500:]
+  found = prefixed.stdout.decode().splitlines()
+  assert found[0].startswith('HOUSE') and found[2].startswith('DOG DOG') and found[1] == plain[1]
+  listed = _translate(workdir, f'--input={source}', '--n_best=2', f'--prefix_file={prefixes}')
+  hypotheses = [json.loads(line)['hypotheses'] for line in listed.stdout.decode().splitlines()]
+  texts = [h['text'] for h in hypotheses[2]]
+  assert all(text.startswith('DOG DOG') for text in texts)
+  forced = Translator.from_workdir(workdir).score(['a dog'] * 2, texts)  # log p, and the beam's α-penalised score
+  lengths = [len(Translator.from_workdir(workdir).encode([text])[0]) + 1 for text in texts]
+  np.testing.assert_allclose([h['score'] for h in hypotheses[2]],
+                             [s / ((5 + n) / 6) ** 0.6 for s, n in zip(forced, lengths)], atol=1e-3)
 
 
 @pytest.mark.slow

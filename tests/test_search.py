@@ -433,9 +433,9 @@ def test_sampling_draws_from_the_tempered_top_k_top_p_distribution(temperature, 
 
   def tokens_to_logits(ids, steps, cache):
     return jnp.broadcast_to(logits, (ids.shape[0], logits.size)), cache
-  keys = search.sentence_keys(7, range(sentences))
-  tokens, scores = jax.jit(lambda keys: search.run_to_end(strategy, tokens_to_logits, jnp.zeros(()),
-                                                          jnp.ones((sentences,)), 1, keys=keys))(keys)
+  given = search.sentence_inputs(sentences, 1, search.sentence_keys(7, range(sentences)))
+  tokens, scores = jax.jit(lambda given: search.run_to_end(strategy, tokens_to_logits, jnp.zeros(()),
+                                                           jnp.ones((sentences,)), 1, given=given))(given)
   first = np.asarray(tokens)[:, :, 0].reshape(-1)
   counts = np.bincount(first, minlength=logits.size)
   expected = _renormalised(logits.astype(np.float64), temperature, top_k, top_p)
@@ -482,3 +482,33 @@ def test_a_sentences_samples_depend_on_the_seed_and_its_number_alone(small_model
   greedy = sampled(search.GreedySearch(), 8)
   assert [[t for t, _ in s] for s in cold] == [[t for t, _ in s] for s in greedy]
   np.testing.assert_allclose([s[0][1] for s in cold], [s[0][1] for s in greedy], rtol=1e-5)
+
+
+# --- Target prefixes -------------------------------------------------------------------------
+
+@pytest.mark.parametrize('strategy', [search.BeamSearch(4, 0.6, num_results=4), search.GreedySearch(),
+                                      search.SamplingSearch(3, 1.2)], ids=['beam', 'greedy', 'sampling'])
+def test_a_forced_prefix_begins_every_output_and_scores_as_teacher_forcing(small_model_config, strategy):
+  """16 sentences through 8 slots, half with a prefix of 1 to 3 random tokens: every returned output begins with
+  its prefix and scores what teacher forcing gives its tokens; a sentence with an empty prefix decodes as with
+  no prefixes at all."""
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  inputs = random_batch(np.random.default_rng(4), 16, 7, 5, config.vocab_size)['inputs']
+  model = Transformer(config)
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(7), inputs, inputs)['params'])
+  encoded = [[int(t) for t in row if t > 1] for row in inputs]
+  rng = np.random.default_rng(0)
+  prefixes = [list(rng.integers(3, config.vocab_size, 1 + i % 3)) if i % 2 else [] for i in range(16)]
+  keys = search.sentence_keys(1, range(16))
+  run = lambda prefixes: engine.Engine(model, params, strategy, slots=8, max_extra_length=5,
+                                       max_positions=64).run(encoded, keys=keys, prefixes=prefixes)
+  found, plain = run(prefixes), run(None)
+  alpha = getattr(strategy, 'length_penalty_alpha', 0.0)
+  for i, (results, prefix) in enumerate(zip(found, prefixes)):
+    tokens = np.stack([t for t, _ in results])  # [k, L]
+    assert all(t[:len(prefix)].tolist() == prefix for t in tokens), (i, prefix, tokens)
+    expected = _teacher_forced_scores(model, params, inputs[i:i + 1], tokens[None], alpha)[0]
+    np.testing.assert_allclose([s for _, s in results], expected, rtol=1e-4, atol=1e-4)
+    if not prefix:
+      assert [t.tolist() for t, _ in results] == [t.tolist() for t, _ in plain[i]]
+  assert any(found[i][0][0].tolist() != plain[i][0][0].tolist() for i in range(1, 16, 2))  # the prefix did force

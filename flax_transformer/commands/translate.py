@@ -65,6 +65,8 @@ def define(flag_values, argv) -> None:
          'config\'s).')
   for alias, name in ALIASES.items():
     flags.DEFINE_alias(alias, name, flag_values=flag_values)
+  define('string', 'prefix_file', None, 'Text each translation must begin with, one line per input line (empty: '
+         'none; plain or .gz): forced, scored, and written as the output\'s start.')
   define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
   define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
   define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
@@ -135,7 +137,11 @@ def check_flags(f, argv: list[str] = ()) -> None:
     raise UserError(f'{flag} reads one model and --workdir={f.workdir} names {len(workdirs(f))}; give one workdir')
   if f.checkpoint == 'best' and f.step is not None:
     raise UserError(f'--checkpoint=best and --step={f.step} choose different checkpoints; give one of them')
-  for name in ('input', 'reference'):
+  if f.prefix_file and f.score:
+    raise UserError('--prefix_file starts each translation and --score scores given lines; choose one')
+  if f.prefix_file and f.input == '-':
+    raise UserError('--prefix_file gives the prefix of each line of a file; give the lines as --input=FILE')
+  for name in ('input', 'reference', 'prefix_file'):
     path = getattr(f, name)
     if path and path != '-':
       parallel_text.check_file(path, f'--{name}')
@@ -155,7 +161,7 @@ def reads(f, vocabulary: str = '') -> dict:
   """What translate reads, none of which --output may be, hold or sit inside."""
   named = {'the workdir' if i == 0 else f'the workdir {w}': w for i, w in enumerate(workdirs(f))}
   return {**named, 'the checkpoint folder': f.checkpoint_dir, 'the input': f.input, 'the reference': f.reference,
-          'the vocabulary': vocabulary}
+          'the prefix file': f.prefix_file, 'the vocabulary': vocabulary}
 
 
 def stdin_chunks(wait: float):
@@ -216,9 +222,11 @@ class Progress:
       self.line()
 
 
-def output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, numbers: list[int]):
+def output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, numbers: list[int],
+                 prefixes: list[str] | None = None):
   """The output lines for `sources` (and their `targets` with --score), and the best translations; `numbers`:
-  their input line numbers (from 0)."""
+  their input line numbers (from 0); `prefixes`: every input line's (--prefix_file), or None."""
+  prefixes = [prefixes[n] for n in numbers] if prefixes is not None else None
   if f.score:
     scores = translator.score(sources, targets)
     links = translator.alignments(sources, targets) if f.alignment else None
@@ -233,7 +241,8 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
           f'(line {shown}) are {what}', file=sys.stderr)
   listed = f.n_best or (translator.decoding.num_samples if translator.decoding.strategy == 'sampling' else 0)
   if listed > 1 or f.n_best:  # the beam's n best, or several samples
-    hypotheses = translator.n_best(sources, listed, f.beam_size, f.length_penalty_alpha, numbers=numbers)
+    hypotheses = translator.n_best(sources, listed, f.beam_size, f.length_penalty_alpha, numbers=numbers,
+                                   prefixes=prefixes)
     lines, best = [], [h[0][0] if h else '' for h in hypotheses]
     for i, found in enumerate(hypotheses):
       entries = [{'text': text, 'score': round(score, 4)} for text, score in found]
@@ -243,13 +252,14 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
       lines.append(json.dumps({'n': numbers[i], 'hypotheses': entries}, ensure_ascii=False))
     return lines, best
   best = translator.translate(sources, f.beam_size, f.length_penalty_alpha, split_long=f.split_long, encoded=encoded,
-                              progress=progress, numbers=numbers)
+                              progress=progress, numbers=numbers, prefixes=prefixes)
   if f.alignment:
     return [f'{t} ||| {links}' for t, links in zip(best, translator.alignments(sources, best))], best
   return best, best
 
 
-def shared_output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, first: int):
+def shared_output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, first: int,
+                        prefixes: list[str] | None = None):
   """output_lines of `sources` (input lines `first`, `first` + 1, ...), on every process: each translates its
   share (every processes-th line) on its devices and the output lines are gathered in order."""
   import jax
@@ -257,9 +267,10 @@ def shared_output_lines(translator, f, sources: list[str], targets: list[str] | 
   processes, mine = jax.process_count(), slice(jax.process_index(), None, jax.process_count())
   numbers = list(range(first, first + len(sources)))
   if processes == 1:
-    return output_lines(translator, f, sources, targets, progress, numbers)
+    return output_lines(translator, f, sources, targets, progress, numbers, prefixes)
   scaled = progress and (lambda n, total: progress(min(n * processes, len(sources)), len(sources)))
-  lines, best = output_lines(translator, f, sources[mine], targets[mine] if targets else None, scaled, numbers[mine])
+  lines, best = output_lines(translator, f, sources[mine], targets[mine] if targets else None, scaled, numbers[mine],
+                             prefixes)
   lines = cluster.gathered_texts(lines, len(sources), f'output lines {first + 1} to {first + len(sources)}')
   return lines, None if f.score else cluster.gathered_texts(best, len(sources), f'translations {first + 1} to '
                                                                             f'{first + len(sources)}')
@@ -268,18 +279,20 @@ def shared_output_lines(translator, f, sources: list[str], targets: list[str] | 
 JOB_FILE = 'job.json'  # in OUTPUT.parts/: what the parts translate (input, model, choices)
 OUTPUT_FLAGS = ('workdir', 'checkpoint_dir', 'step', 'average_last', 'checkpoint', 'weights', 'strategy', 'beam_size',
                 'length_penalty_alpha', 'beam_stop', 'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed',
-                'n_best', 'score', 'alignment', 'split_long', 'part_lines', 'reference')  # what changes the output
+                'n_best', 'score', 'alignment', 'split_long', 'part_lines', 'reference', 'prefix_file')  # the output's
 
 
 def parts_folder(output: str) -> str:
   return f'{output}.parts'
 
 
-def job_identity(f, sources: list[str], checkpoints) -> dict:
-  """What a long job's parts hold: its input (by content), the model and the choices that change the output."""
-  digest = hashlib.sha256('\n'.join(sources).encode('utf-8')).hexdigest()
-  return {'input': f.input, 'input_sha256': digest, 'lines': len(sources), 'checkpoints': repr(checkpoints),
-          'flags': {name: getattr(f, name) for name in OUTPUT_FLAGS}}
+def job_identity(f, sources: list[str], checkpoints, prefixes: list[str] | None = None) -> dict:
+  """What a long job's parts hold: its input and prefixes (by content), the model and the choices that change
+  the output."""
+  digest = lambda lines: hashlib.sha256('\n'.join(lines).encode('utf-8')).hexdigest()
+  return {'input': f.input, 'input_sha256': digest(sources), 'lines': len(sources), 'checkpoints': repr(checkpoints),
+          'flags': {name: getattr(f, name) for name in OUTPUT_FLAGS},
+          **({'prefixes_sha256': digest(prefixes)} if prefixes is not None else {})}
 
 
 def committed_parts(f, job: dict) -> dict[int, list]:
@@ -299,7 +312,7 @@ def committed_parts(f, job: dict) -> dict[int, list]:
   return parts
 
 
-def translate_in_parts(translator, f, sources, references) -> tuple[list[str], list[str]]:
+def translate_in_parts(translator, f, sources, references, prefixes=None) -> tuple[list[str], list[str]]:
   """--input and --output files: the output lines and best translations of every part, each part committed to
   OUTPUT.parts/ as it is done (and skipped when a stopped run of the same command had committed it). On several
   processes every process translates its share of each part and process 0, which alone reads and writes the
@@ -308,7 +321,7 @@ def translate_in_parts(translator, f, sources, references) -> tuple[list[str], l
   from flax_transformer import cluster, storage
   from flax_transformer.errors import UserError
   chief, processes = jax.process_index() == 0, jax.process_count()
-  job = job_identity(f, sources, translator.checkpoints)
+  job = job_identity(f, sources, translator.checkpoints, prefixes)
   jobs = cluster.agree('translation job', value=json.dumps(job, sort_keys=True))
   for process, other in enumerate(jobs):
     if other != jobs[0]:
@@ -346,7 +359,7 @@ def translate_in_parts(translator, f, sources, references) -> tuple[list[str], l
       rate = (done_before + n - before) / seconds if seconds > 0 else 0.0
       left = (len(sources) - done_before - n) / rate if rate else 0.0
       shown.update(f'{done_before + n}/{len(sources)} lines, {rate:,.1f} lines/s, ETA {left / 60:.1f} min')
-    lines, best = shared_output_lines(translator, f, chunk, targets, progress if chief else None, first)
+    lines, best = shared_output_lines(translator, f, chunk, targets, progress if chief else None, first, prefixes)
     parts[index] = [[line, translation] for line, translation in zip(lines, best or [None] * len(lines))]
     if chief:
       data = ''.join(json.dumps(entry, ensure_ascii=False) + '\n' for entry in parts[index])
@@ -409,6 +422,10 @@ def _translate(f) -> None:
   if sources is not None and references is not None and len(references) != len(sources):
     raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
+  prefixes = parallel_text.read_lines(f.prefix_file) if f.prefix_file else None
+  if prefixes is not None and len(prefixes) != len(sources):
+    raise parallel_text.DataError(f'{f.prefix_file} has {len(prefixes)} lines but the input has {len(sources)}; '
+                                  f'give one prefix line per input line (an empty line for none)')
   translator = load(f)
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
@@ -421,7 +438,7 @@ def _translate(f) -> None:
   written, translations, done = [], [], 0
   in_parts = sources is not None and not to_stdout
   if in_parts:
-    written, translations = translate_in_parts(translator, f, sources, references)
+    written, translations = translate_in_parts(translator, f, sources, references, prefixes)
     done = len(sources)
   chunks = [] if in_parts else stdin_chunks(f.stream_wait) if sources is None else [sources]
   shown = Progress()
@@ -433,7 +450,7 @@ def _translate(f) -> None:
         raise parallel_text.DataError(f'standard input has more lines than the {len(references)} of '
                                        f'{f.reference}; give the reference of this input')
       targets = references[done:done + len(chunk)]
-    lines, best = shared_output_lines(translator, f, chunk, targets, progress, done)
+    lines, best = shared_output_lines(translator, f, chunk, targets, progress, done, prefixes)
     done += len(chunk)
     translations += best or []
     if to_stdout and chief:
