@@ -309,7 +309,8 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
     for width in widths:  # at most as many as the translation meets
       inputs = np.zeros((shape.slots, width), np.int32)
       programs.encode.lower(model.params, inputs).compile()
-      programs.admit.lower(model.params, state, programs.encode(model.params, inputs), rows, rows).compile()
+      given = search.sentence_inputs(shape.admit_rows, shape.max_output_length)
+      programs.admit.lower(model.params, state, programs.encode(model.params, inputs), rows, rows, given).compile()
     compiled = programs.generate.lower(model.params, state, np.int32(1)).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()  # generate's: the decoding program

@@ -200,6 +200,7 @@ class BeamSearch(Strategy):
   num_results: int | None = None
   stop: str = 'bound'
   eos_id: int = EOS_ID
+  prefixed: bool = False  # sentences may bring prefixes (`forced`); False: the step has no forcing at all
 
   def __post_init__(self):
     if not 1 <= (self.num_results or 1) <= self.beam_size:
@@ -250,7 +251,9 @@ class BeamSearch(Strategy):
     slots, done = step.shape[0], self.done(state)
     ids = jnp.take_along_axis(state['live_tokens'], step[:, None, None], axis=2).reshape(slots * n, 1)  # [Sn, 1]
     logits, new_cache = tokens_to_logits(ids, step, state['cache'])
-    logits, forcing, normaliser = forced(state, logits.astype(jnp.float32), n)
+    forcing = normaliser = None
+    if self.prefixed:
+      logits, forcing, normaliser = forced(state, logits.astype(jnp.float32), n)
     top_scores, top_beam, top_token = _extensions(state['live_scores'], logits, n, self.beam_top_k, forcing,
                                                   normaliser)  # [S, 2n] each
     top_tokens = jnp.take_along_axis(state['live_tokens'], top_beam[:, :, None], axis=1)  # [S, 2n, L+1]
@@ -285,7 +288,8 @@ def _extensions(live_scores, logits, n: int, beam_top_k: str, forcing, normalise
   # produced.
   per_row = min(2 * n, logits.shape[-1] - 1)
   row_logits, row_tokens, log_normalizer = best_tokens(logits.astype(jnp.float32), per_row, beam_top_k)  # [Sn, k]
-  log_normalizer = jnp.where(forcing, normaliser, log_normalizer)  # a forced token scores under the raw logits
+  if forcing is not None:  # a forced token scores under the raw logits
+    log_normalizer = jnp.where(forcing, normaliser, log_normalizer)
   row_log_probs = (row_logits - log_normalizer).reshape(slots, n, per_row)  # [S, n, k]
   candidates = (live_scores[:, :, None] + row_log_probs).reshape(slots, n * per_row)  # [S, n·k]
   top_scores, top_index = jax.lax.top_k(candidates, 2 * n)  # [S, 2n]
@@ -309,6 +313,7 @@ class GreedySearch(Strategy):
   passes over the logits)."""
   beam_top_k: str = 'lax'
   eos_id: int = EOS_ID
+  prefixed: bool = False  # as BeamSearch's
 
   def initial(self, slots, length):
     return {'step': jnp.zeros((slots,), jnp.int32), 'max_lengths': jnp.zeros((slots,), jnp.int32),
@@ -328,9 +333,11 @@ class GreedySearch(Strategy):
     step, done = state['step'], self.done(state)
     ids = jnp.take_along_axis(state['tokens'], step[:, None], axis=1)  # [S, 1]
     logits, cache = tokens_to_logits(ids, step, state['cache'])  # [S, v]
-    logits, forcing, normaliser = forced(state, logits.astype(jnp.float32), 1)
-    best, token, log_normalizer = best_tokens(logits, 1, self.beam_top_k)  # [S, 1]: no padding
-    log_normalizer = jnp.where(forcing, normaliser, log_normalizer)
+    if self.prefixed:
+      logits, forcing, normaliser = forced(state, logits.astype(jnp.float32), 1)
+    best, token, log_normalizer = best_tokens(logits.astype(jnp.float32), 1, self.beam_top_k)  # [S, 1]: no padding
+    if self.prefixed:
+      log_normalizer = jnp.where(forcing, normaliser, log_normalizer)
     token, log_prob = token[:, 0], best[:, 0] - log_normalizer[:, 0]  # [S]: log-softmax keeps the row's order
     token = jnp.where(done, PAD_ID, token)
     ended = done | (token == self.eos_id) | (step + 1 >= state['max_lengths'])
@@ -356,6 +363,7 @@ class SamplingSearch(Strategy):
   top_k: int = 0
   top_p: float = 1.0
   eos_id: int = EOS_ID
+  prefixed: bool = False  # as BeamSearch's
   random = True
 
   width = property(lambda self: self.num_samples)
@@ -402,8 +410,10 @@ class SamplingSearch(Strategy):
 
     def draw(key, sample, position, row_logits):  # one sample's token
       return jax.random.categorical(jax.random.fold_in(jax.random.fold_in(key, sample), position), row_logits)
-    masked, forcing, _ = forced(state, log_probs.reshape(slots * k, -1), k)  # the prefix's token, whatever the cut
-    drawn_from = jnp.where(forcing.reshape(slots, k, 1), masked.reshape(slots, k, -1), self.sampled_logits(log_probs))
+    drawn_from = self.sampled_logits(log_probs)
+    if self.prefixed:  # the prefix's token, whatever the cut
+      masked, forcing, _ = forced(state, log_probs.reshape(slots * k, -1), k)
+      drawn_from = jnp.where(forcing.reshape(slots, k, 1), masked.reshape(slots, k, -1), drawn_from)
     token = jax.vmap(jax.vmap(draw, (None, 0, None, 0)), (0, None, 0, 0))(
         keys, jnp.arange(k), step, drawn_from)  # [S, k]: the prefix's token while inside it
     stopped = state['ended'] | done[:, None]  # [S, k]
@@ -439,27 +449,29 @@ def registered(name: str):
 
 
 @registered('beam')
-def _beam(decoding, num_results):
+def _beam(decoding, num_results, prefixed):
   if decoding.beam_size <= 1:  # the same tokens, without a beam's bookkeeping
-    return GreedySearch(decoding.beam_top_k)
+    return GreedySearch(decoding.beam_top_k, prefixed=prefixed)
   return BeamSearch(decoding.beam_size, decoding.length_penalty_alpha, decoding.beam_top_k, num_results,
-                    decoding.beam_stop)
+                    decoding.beam_stop, prefixed=prefixed)
 
 
 @registered('greedy')
-def _greedy(decoding, num_results):
-  return GreedySearch(decoding.beam_top_k)
+def _greedy(decoding, num_results, prefixed):
+  return GreedySearch(decoding.beam_top_k, prefixed=prefixed)
 
 
 @registered('sampling')
-def _sampling(decoding, num_results):
-  return SamplingSearch(num_results or decoding.num_samples, decoding.temperature, decoding.top_k, decoding.top_p)
+def _sampling(decoding, num_results, prefixed):
+  return SamplingSearch(num_results or decoding.num_samples, decoding.temperature, decoding.top_k, decoding.top_p,
+                        prefixed=prefixed)
 
 
-def strategy_for(decoding, num_results: int | None = None) -> Strategy:
+def strategy_for(decoding, num_results: int | None = None, prefixed: bool = False) -> Strategy:
   """The strategy `decoding` (decoding_settings.DecodeSettings) names, built by its registered function;
-  `num_results`: the k best of a beam, or k samples."""
-  return STRATEGIES[decoding.strategy](decoding, num_results)
+  `num_results`: the k best of a beam, or k samples; `prefixed`: sentences bring target prefixes (a program of
+  its own: without them a step holds no forcing)."""
+  return STRATEGIES[decoding.strategy](decoding, num_results, prefixed)
 
 
 def run_to_end(strategy: Strategy, tokens_to_logits, cache, max_lengths: jax.Array, max_output_length: int,

@@ -249,7 +249,8 @@ class Translator:
         pieces += self.encode(split) if split else [ids]
         owners += [i] * (len(split) if split else 1)
         piece_numbers += [(numbers[i], piece) for piece in range(len(split))] if split else [numbers[i]]
-        piece_prefixes += [forced[i]] + [[]] * (len(split) - 1) if split else [forced[i]]  # the first piece's
+        prefix = forced[i] if forced is not None else []
+        piece_prefixes += [prefix] + [[]] * (len(split) - 1) if split else [prefix]  # the first piece's
       encoded, numbers, forced = pieces, piece_numbers, piece_prefixes
     hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop, numbers,
                               forced)
@@ -340,7 +341,7 @@ class Translator:
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
     decoding = self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as settings are
-    strategy = search.strategy_for(decoding, num_results)
+    strategy = search.strategy_for(decoding, num_results, prefixed=any(prefixes or ()))
     keys = search.sentence_keys(decoding.sampling_seed, range(len(encoded)) if numbers is None else numbers) \
         if strategy.random else None
     decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots, mesh=self.mesh,

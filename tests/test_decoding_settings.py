@@ -57,6 +57,7 @@ def test_every_strategy_a_setting_names_is_registered_and_each_is_built_from_the
   built = {name: search.strategy_for(DecodeSettings(strategy=name, beam_top_k='lax')) for name in search.STRATEGIES}
   assert isinstance(built['beam'], search.BeamSearch) and isinstance(built['greedy'], search.GreedySearch)
   assert built['sampling'] == search.SamplingSearch(1, 1.0, 0, 1.0) and built['sampling'].random
+  assert search.strategy_for(DecodeSettings(beam_top_k='lax'), prefixed=True).prefixed
   assert search.strategy_for(DecodeSettings(strategy='sampling', num_samples=3, top_p=0.5), 5).num_samples == 5
   with pytest.raises(ArgumentError, match=r"^top_p=0.5 is a setting of sampling and the strategy is 'greedy'"):
     DecodeSettings(strategy='greedy').replace(top_p=0.5)

@@ -132,7 +132,7 @@ def _refilled(strategy, tokens_to_logits, limits, slots: int, order) -> tuple[np
   def start(state, slot, sentence, limit):
     rows = jnp.arange(strategy.width) + slot * strategy.width
     return strategy.start({**state, 'cache': {'sentence': state['cache']['sentence'].at[rows].set(sentence)}},
-                          slot[None], limit[None])
+                          slot[None], limit[None], search.sentence_inputs(1, length))
   tokens = np.zeros((len(limits), strategy.kept, length), np.int32)
   scores = np.zeros((len(limits), strategy.kept), np.float32)
   queue, occupant = list(order), {}
@@ -486,8 +486,9 @@ def test_a_sentences_samples_depend_on_the_seed_and_its_number_alone(small_model
 
 # --- Target prefixes -------------------------------------------------------------------------
 
-@pytest.mark.parametrize('strategy', [search.BeamSearch(4, 0.6, num_results=4), search.GreedySearch(),
-                                      search.SamplingSearch(3, 1.2)], ids=['beam', 'greedy', 'sampling'])
+@pytest.mark.parametrize('strategy', [search.BeamSearch(4, 0.6, num_results=4, prefixed=True),
+                                      search.GreedySearch(prefixed=True), search.SamplingSearch(3, 1.2, prefixed=True)],
+                         ids=['beam', 'greedy', 'sampling'])
 def test_a_forced_prefix_begins_every_output_and_scores_as_teacher_forcing(small_model_config, strategy):
   """16 sentences through 8 slots, half with a prefix of 1 to 3 random tokens: every returned output begins with
   its prefix and scores what teacher forcing gives its tokens; a sentence with an empty prefix decodes as with
