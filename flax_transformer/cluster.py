@@ -256,6 +256,22 @@ def stop_all_after_failure(error: Exception) -> None:
   stop_all(f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0][:300]}')
 
 
+def together(work) -> None:
+  """Runs `work()`, the whole of a program's work on each of its processes: when done, this process tells the
+  others (finish_watching); an error met by every process (ProcessError) ends them all as it is; any other
+  error on this one stops every other with its line (or the dead peer's, if one died)."""
+  try:
+    work()
+    finish_watching()
+  except ProcessError:  # every process raised it: nothing to tell the others
+    leave_last()
+    raise
+  except Exception as error:
+    if jax.distributed.is_initialized():
+      stop_all_after_failure(error)
+    raise
+
+
 def agree(name: str, error: Exception | None = None, value: str = '') -> list[str]:
   """Every process's `value` at point `name` (a key-value all-gather, no device collective); if any
   process passes an `error`, every process raises the same ProcessError naming it."""

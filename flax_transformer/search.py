@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flax_transformer.constants import EOS_ID, IMPOSSIBLE_SCORE, PAD_ID
 from flax_transformer.decoding_settings import BEAM_STOPS, TOP_K
@@ -115,7 +116,6 @@ def sentence_inputs(count: int, length: int, keys=None, prefixes=None) -> dict:
   """What `count` sentences bring to Strategy.start for outputs of up to `length` tokens: keys [count, 2]
   uint32 (default zeros) and their prefixes (lists of ids, default none) as 'prefix' [count, length + 1]
   int32 and 'prefix_lengths' [count] (numpy arrays)."""
-  import numpy as np
   prefix, lengths = np.zeros((count, length + 1), np.int32), np.zeros((count,), np.int32)
   for i, ids in enumerate(prefixes or ()):
     prefix[i, :len(ids)], lengths[i] = ids, len(ids)
@@ -429,10 +429,9 @@ class SamplingSearch(Strategy):
     return state['tokens'][:, :, 1:], state['scores']  # [S, k, L], [S, k]
 
 
-def sentence_keys(seed: int, numbers) -> 'np.ndarray':
+def sentence_keys(seed: int, numbers) -> np.ndarray:
   """[len(numbers), 2] uint32: the random key of each sentence, from the seed and the sentence's number alone (an
   int, or a tuple such as (line, piece)), so its samples do not depend on where or with what it is decoded."""
-  import numpy as np
   return np.stack([np.random.SeedSequence([seed, *(n if isinstance(n, tuple) else (n,))]).generate_state(2)
                    for n in numbers]).astype(np.uint32).reshape(-1, 2)
 

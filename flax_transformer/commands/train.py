@@ -19,18 +19,8 @@ def define(flag_values, argv) -> None:
 def train(f) -> None:
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()  # before anything else imports it
-  import jax
   from flax_transformer import cluster, train_loop
-  try:
-    train_loop.train_and_evaluate(f.config, f.workdir)
-    cluster.finish_watching()
-  except cluster.ProcessError:  # every process raised it: nothing to tell the others
-    cluster.leave_last()
-    raise
-  except Exception as error:
-    if jax.distributed.is_initialized():  # the others stop too, with this cause (or the peer that died, if one did)
-      cluster.stop_all_after_failure(error)
-    raise
+  cluster.together(lambda: train_loop.train_and_evaluate(f.config, f.workdir))  # one error stops every process
 
 
 def main(argv: list[str]) -> int:

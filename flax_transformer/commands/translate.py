@@ -389,24 +389,14 @@ def load(f):
 def translate(f, argv: list[str] = ()) -> None:
   """The program: on one process, or on each of several (the cluster flags, or the cluster's environment), where
   an error on one stops every other with the same line, as a training run's processes do."""
-  import jax  # TensorFlow is never imported: translation reads text with Python and SentencePiece
-  from flax_transformer import cluster, platforms
+  from flax_transformer import cluster, platforms  # never TensorFlow: text is read with Python and SentencePiece
   check_flags(f, argv)
   platforms.enable_compilation_cache()  # each engine program compiled once, for every later translation
   settings = cluster.ClusterSettings(**{field.name: getattr(f, field.name)
                                         for field in dataclasses.fields(cluster.ClusterSettings)})
   cluster.start(settings, spelling='--')
   cluster.watch_peers(settings)
-  try:
-    _translate(f)
-    cluster.finish_watching()
-  except cluster.ProcessError:  # every process raised it: nothing to tell the others
-    cluster.leave_last()
-    raise
-  except Exception as error:
-    if jax.distributed.is_initialized():  # the others stop too, with this cause (or the peer that died, if one did)
-      cluster.stop_all_after_failure(error)
-    raise
+  cluster.together(lambda: _translate(f))
 
 
 def _translate(f) -> None:
