@@ -248,7 +248,8 @@ def test_n_best_score_and_alignment_outputs(trained, tmp_path):
   assert len(rows) == 3 and all(float(score) < 0 for score, _ in rows)
   assert all(pair.split('-')[1].isdigit() for _, links in rows for pair in links.split())
   from flax_transformer.translator import Translator
-  expected = Translator.from_workdir(workdir).score(source.read_text().splitlines(), reference.read_text().splitlines())
+  translator = Translator.from_workdir(workdir)
+  expected = translator.score(source.read_text().splitlines(), reference.read_text().splitlines())
   np.testing.assert_allclose([float(score) for score, _ in rows], expected, atol=1e-4)  # printed with 4 decimals
   # --prefix_file: each translation begins with its line's prefix (an empty line: none); scored as forced.
   prefixes = tmp_path / 'prefixes.txt'
@@ -262,8 +263,8 @@ def test_n_best_score_and_alignment_outputs(trained, tmp_path):
   hypotheses = [json.loads(line)['hypotheses'] for line in listed.stdout.decode().splitlines()]
   texts = [h['text'] for h in hypotheses[2]]
   assert all(text.startswith('DOG DOG') for text in texts)
-  forced = Translator.from_workdir(workdir).score(['a dog'] * 2, texts)  # log p, and the beam's α-penalised score
-  lengths = [len(Translator.from_workdir(workdir).encode([text])[0]) + 1 for text in texts]
+  forced = translator.score(['a dog'] * 2, texts)  # log p, and the beam's α-penalised score
+  lengths = [len(ids) + 1 for ids in translator.encode(texts)]
   np.testing.assert_allclose([h['score'] for h in hypotheses[2]],
                              [s / ((5 + n) / 6) ** 0.6 for s, n in zip(forced, lengths)], atol=1e-3)
 
