@@ -42,6 +42,8 @@ def problem(field: dataclasses.Field, value) -> str | None:
     return 'must be 0 (off) or positive'
   if meta.get('greater') is not None and not value > meta['greater']:
     return 'must be positive'
+  if meta.get('greater') is not None and value == float('inf'):
+    return 'must be finite'
   if meta.get('low') is not None and not meta['low'] <= value < meta['high']:
     return f'must be in [{meta["low"]:g}, {meta["high"]:g})'
   if meta.get('choices') is not None and value not in meta['choices']:

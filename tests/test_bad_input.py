@@ -250,6 +250,10 @@ CASES = [
                                       '--top_k=-1'), 1, 'error: --top_k=-1: must be a non-negative integer'),
     Case('translate_temperature_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
                                         '--temperature=0'), 1, 'error: --temperature=0.0: must be positive'),
+    Case('translate_temperature_inf', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
+                                       '--temperature=inf'), 1, 'error: --temperature=inf: must be finite'),
+    Case('translate_top_p_nan', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=sampling',
+                                 '--top_p=nan'), 1, 'error: --top_p=nan: must be in (0, 1] (1: every token)'),
     Case('translate_num_samples_with_beam', ('translate', '--workdir={W}', '--input={T}/in.txt', '--strategy=beam',
                                              '--num_samples=3'), 1,
          "error: --num_samples=3 is a setting of sampling and the strategy is 'beam'; give --strategy=sampling, "

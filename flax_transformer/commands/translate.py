@@ -82,8 +82,9 @@ def define(flag_values, argv) -> None:
          'part; the output appears, whole, when every part is done. 0: one part.')
   define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
          'punctuation, instead of cutting them (a warning counts them either way).')
-  define('integer', 'storage_timeout_seconds', 300, 'A write of the output or of a part still unfinished after this '
-         'stops the program (a storage server that stopped answering).')
+  define('integer', 'storage_timeout_seconds', 300, 'A read of the input, reference or prefixes, or a write of a '
+         'part or the output, still unfinished after this stops the program (a storage server that stopped '
+         'answering).')
   from flax_transformer import commands
   commands.define_weights(flag_values)
   commands.define_cluster(flag_values)
@@ -407,12 +408,14 @@ def _translate(f) -> None:
   if f.input == '-' and processes > 1:
     raise UserError(f'--input=- is read by one process and this job has {processes}; give --input=FILE (every '
                     f'process reads its share), or start one process')
-  references = parallel_text.read_lines(f.reference) if f.reference else None
-  sources = None if f.input == '-' else parallel_text.read_lines(f.input)
+  read = lambda path: storage.within(f.storage_timeout_seconds, f'reading {path}',
+                                     lambda: parallel_text.read_lines(path))
+  references = read(f.reference) if f.reference else None
+  sources = None if f.input == '-' else read(f.input)
   if sources is not None and references is not None and len(references) != len(sources):
     raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
-  prefixes = parallel_text.read_lines(f.prefix_file) if f.prefix_file else None
+  prefixes = read(f.prefix_file) if f.prefix_file else None
   if prefixes is not None and len(prefixes) != len(sources):
     raise parallel_text.DataError(f'{f.prefix_file} has {len(prefixes)} lines but the input has {len(sources)}; '
                                   f'give one prefix line per input line (an empty line for none)')
