@@ -98,6 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.top_p = 1.0
   config.num_samples = 1  # sampling: translations drawn per sentence.
   config.sampling_seed = 0  # sampling: a sentence's samples depend only on this, its number and theirs.
+  config.constraint_order = 'unordered'  # translate.py --constraints_file: phrases anywhere, or 'ordered' as given.
   config.decode_slots = 128  # Sentences decoded at once by the engine, each refilled as it finishes.
   config.average_last = 5  # Checkpoints averaged for the final model (base: 5).
   config.beam_top_k = 'auto'  # 'two_stage' (block maxima first, faster on CPU) or 'lax' (jax.lax.top_k); auto: by platform.

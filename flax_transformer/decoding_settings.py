@@ -14,7 +14,8 @@ from flax_transformer.errors import ArgumentError
 from flax_transformer.fields import setting
 
 STRATEGIES = ('beam', 'greedy', 'sampling')  # search.STRATEGIES' names: how a sentence's output is chosen
-BEAM_STOPS = ('bound', 'beam_ended')  # search.beam_search's stopping rules
+BEAM_STOPS = ('bound', 'beam_ended')
+CONSTRAINT_ORDERS = ('unordered', 'ordered')  # search.ConstrainedBeamSearch: phrases met in any order, or in theirs  # search.beam_search's stopping rules
 SAMPLING = {'temperature': 1.0, 'top_k': 0, 'top_p': 1.0, 'num_samples': 1}  # sampling's settings, and their neutral
 # values, which every other strategy has
 TOP_K = ('two_stage', 'lax')  # search.top_k's two ways; a run's 'auto' picks one per platform (platforms.top_k)
@@ -51,6 +52,10 @@ class DecodeSettings:
   num_samples: int = setting('Sampling: translations drawn per sentence.', minimum=1, before=1, default=1)
   sampling_seed: int = setting("Sampling: the seed; a sentence's samples depend only on it, the sentence's "
                                'number and the sample\'s.', minimum=0, before=0, default=0)
+  constraint_order: str = setting("Lexical constraints (search.ConstrainedBeamSearch): 'unordered' (each phrase "
+                                  "anywhere in the output) or 'ordered' (in the order given, one after another; "
+                                  "fairseq's --constraints ordered).", choices=CONSTRAINT_ORDERS, before='unordered',
+                                  default='unordered')
   decode_slots: int = setting('Sentences the decoding engine decodes at once (engine.py), each with its beam; '
                               'a finished one hands its slot to the next.', minimum=1, before=128, default=128)
   eval_tokens_per_batch: int = setting('Source tokens of a batch scored or aligned under teacher forcing, and of '

@@ -99,7 +99,7 @@ def encode(params, inputs, *, model) -> tuple:
 def admit(params, state, memories, picks, rows, given, *, model, strategy: search.Strategy, max_extra_length: int,
           max_output_length: int, mesh=None):
   """The state with the encoded sentences `picks` [P] of `memories` (from `encode`) started in slots `rows` [P]
-  (S for a padding row, left out) with what they bring (`given`: search.sentence_inputs' keys and prefixes,
+  (S for a padding row, left out) with what they bring (`given`: search.sentence_inputs' keys, prefixes and phrases,
   [P, ...] each); each may produce its source length (EOS included) + max_extra_length tokens."""
   del params
   models, _ = search.members(model, ())
@@ -225,7 +225,8 @@ class Engine:
     return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
                  programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length, self.mesh))
 
-  def run(self, encoded: list[list[int]], progress=None, should_stop=None, keys=None, prefixes=None):
+  def run(self, encoded: list[list[int]], progress=None, should_stop=None, keys=None, prefixes=None,
+          constraints=None):
     """Each sentence's results (ids without EOS, cut at the model's max_positions - 1; none: []), in order:
     [(tokens [L] int32 ending in EOS unless cut at the length limit, 0-padded; score), ...], `strategy.kept` of
     them, best first; an empty sentence gives []. `progress(done, total)` is called after each `generate`; a true
@@ -241,7 +242,9 @@ class Engine:
     total, finished = len(queue), 0
     shape = self.shape(encoded)
     slots, admit_rows = shape.slots, shape.admit_rows
-    brought = search.sentence_inputs(len(encoded), shape.max_output_length, keys, prefixes)  # [N, ...] each
+    room = (getattr(self.strategy, 'phrases', 1), getattr(self.strategy, 'phrase_length', 1))
+    brought = search.sentence_inputs(len(encoded), shape.max_output_length, keys, prefixes, constraints,
+                                     room)  # [N, ...] each
     compiled = shape.programs
     state = compiled.empty(self.params)
     free, occupant = list(range(slots)), {}

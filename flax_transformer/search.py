@@ -112,15 +112,34 @@ def _set_rows(x: jax.Array, rows: jax.Array, value) -> jax.Array:
   return x.at[rows].set(value, mode='drop')
 
 
-def sentence_inputs(count: int, length: int, keys=None, prefixes=None) -> dict:
+def sentence_inputs(count: int, length: int, keys=None, prefixes=None, constraints=None,
+                    constraint_shape: tuple[int, int] = (1, 1)) -> dict:
   """What `count` sentences bring to Strategy.start for outputs of up to `length` tokens: keys [count, 2]
-  uint32 (default zeros) and their prefixes (lists of ids, default none) as 'prefix' [count, length + 1]
-  int32 and 'prefix_lengths' [count] (numpy arrays)."""
+  uint32 (default zeros); their prefixes (lists of ids, default none) as 'prefix' [count, length + 1] int32 and
+  'prefix_lengths' [count]; their constraints (per sentence a list of phrases, each a list of ids; default none)
+  as 'phrases' [count, C, P] int32 and 'phrase_lengths' [count, C] (0: no phrase), (C, P) = constraint_shape
+  (constraint_shape); numpy arrays."""
   prefix, lengths = np.zeros((count, length + 1), np.int32), np.zeros((count,), np.int32)
   for i, ids in enumerate(prefixes or ()):
     prefix[i, :len(ids)], lengths[i] = ids, len(ids)
+  phrases, phrase_lengths = np.zeros((count, *constraint_shape), np.int32), np.zeros((count, constraint_shape[0]), np.int32)
+  for i, sentence_phrases in enumerate(constraints or ()):
+    for c, ids in enumerate(sentence_phrases):
+      phrases[i, c, :len(ids)], phrase_lengths[i, c] = ids, len(ids)
   keys = np.zeros((count, 2), np.uint32) if keys is None else np.asarray(keys, np.uint32)
-  return {'keys': keys, 'prefix': prefix, 'prefix_lengths': lengths}
+  return {'keys': keys, 'prefix': prefix, 'prefix_lengths': lengths, 'phrases': phrases,
+          'phrase_lengths': phrase_lengths}
+
+
+def constraint_shape(constraints) -> tuple[int, int] | None:
+  """The static (phrases, tokens a phrase) a constrained search of these constraints (per sentence a list of
+  phrases, each a list of ids) runs with, each a power of two (a few shapes, a few compilations); None where no
+  sentence has one."""
+  counts = [len(phrases) for phrases in constraints or ()]
+  if not any(counts):
+    return None
+  longest = max(len(ids) for phrases in constraints for ids in phrases)
+  return 1 << (max(counts) - 1).bit_length(), 1 << (longest - 1).bit_length()
 
 
 def _prefix_state(slots: int, length: int) -> dict:
@@ -238,7 +257,7 @@ class BeamSearch(Strategy):
     if self.stop == 'beam_ended':  # n hypotheses have ended (an unfilled slot holds IMPOSSIBLE_SCORE)
       ended = state['finished_scores'][:, n - 1] > IMPOSSIBLE_SCORE / 2
     else:  # no live hypothesis can still beat the k-th best finished one
-      best_live_bound = state['live_scores'][:, 0] / length_penalty(state['max_lengths'], self.length_penalty_alpha)
+      best_live_bound = jnp.max(state['live_scores'], axis=1) / length_penalty(state['max_lengths'], self.length_penalty_alpha)
       ended = state['finished_scores'][:, kept - 1] >= best_live_bound
     return ended | (state['step'] >= state['max_lengths'])
 
@@ -304,6 +323,166 @@ def _best_finished(finished_scores, finished_tokens, ended_scores, ended_tokens,
   merged_tokens = jnp.concatenate([finished_tokens, ended_tokens], axis=1)  # [S, 3n, L+1]
   scores, pick = jax.lax.top_k(merged_scores, n)  # [S, n]
   return scores, jnp.take_along_axis(merged_tokens, pick[:, :, None], axis=1)
+
+
+NOT_MET = 2 ** 30  # ConstrainedBeamSearch's 'met_at' of a phrase not (yet) in the output
+UNMET = IMPOSSIBLE_SCORE / 10  # added to the rank of an output cut at the length limit before meeting every phrase
+
+
+def _suffix_matches(window: jax.Array, window_start: jax.Array, phrases: jax.Array, phrase_lengths: jax.Array):
+  """How much of each phrase each hypothesis's output ends with: window [S, M, P] (its last P tokens, the first
+  at position window_start [S]; positions < 1 hold no output token), phrases [S, C, P] and their lengths [S, C]
+  -> [S, M, C]: the longest k such that the output's last k tokens are the phrase's first k (KMP's state, read
+  off the window, so a phrase is found wherever it occurs, overlaps included)."""
+  p = window.shape[-1]
+  k = jnp.arange(1, p + 1)[:, None]  # [P(k), 1]: a suffix's length
+  j = jnp.arange(p)[None, :]  # [1, P(j)]: a position in the phrase
+  index = jnp.clip(p - k + j, 0, p - 1)  # [P(k), P(j)]: the window's token compared with phrase token j
+  relevant = j < k
+  exists = (window_start[:, None] + jnp.arange(p)) >= 1  # [S, P]
+  suffixes = window[:, :, index]  # [S, M, P(k), P(j)]
+  equal = (suffixes[:, :, None] == phrases[:, None, :, None, :]) & exists[:, index][:, None, None]  # [S, M, C, Pk, Pj]
+  matches = jnp.all(equal | ~relevant, axis=-1) & (k[:, 0] <= phrase_lengths[:, None, :, None])  # [S, M, C, Pk]
+  return jnp.max(jnp.where(matches, k[:, 0], 0), axis=-1)  # [S, M, C]
+
+
+def _ranks(scores: jax.Array, groups: jax.Array, eligible: jax.Array) -> jax.Array:
+  """Each candidate's rank by score [S, M] among the eligible candidates of its group (groups [S, M]; ties: the
+  earlier first)."""
+  m = scores.shape[1]
+  earlier = jnp.arange(m)[None, :] < jnp.arange(m)[:, None]  # [M(i), M(j)]: j before i
+  better = (scores[:, None, :] > scores[:, :, None]) | ((scores[:, None, :] == scores[:, :, None]) & earlier)
+  return jnp.sum(better & eligible[:, None, :] & (groups[:, None, :] == groups[:, :, None]), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstrainedBeamSearch(BeamSearch):
+  """Beam search whose outputs contain given phrases (lexical constraints): Hu et al. (2019), "Improved Lexically
+  Constrained Decoding for Translation and Monolingual Rewriting", dynamic beam allocation as fairseq's
+  LexicallyConstrainedBeamSearch. Chosen over grid beam search (Hokamp & Liu, 2017), whose beam grows with the
+  constraints' tokens, and over Post & Vilar's (2018) first DBA, whose candidates are the same but whose
+  bookkeeping is per hypothesis on the host: here it is arrays of fixed shape, one compiled step for any
+  constraints.
+
+  Each step's candidates are the sentence's 2n best extensions, each hypothesis's best token and each
+  hypothesis's next token of every phrase it has not met; each candidate's progress (the tokens of met phrases
+  plus those of the phrase under way) puts it in a bank, and the n that go on are taken from the banks in turn,
+  most progress first, each bank's best first, so hypotheses that met more constraints are kept beside those
+  that score best. A hypothesis may end (EOS) only once it has met every phrase; one cut at the length limit
+  ends as it is, ranked below every output that met them all. A phrase is met where its tokens occur in a row in the output (wherever it begins: each
+  hypothesis keeps, per phrase, how much of it the output ends with); `ordered`: only after the previous phrase
+  ended (fairseq's ordered constraints). `phrases`, `phrase_length`: the static shape (constraint_shape) of a
+  slot's phrases; a slot with none searches as BeamSearch does.
+  """
+  phrases: int = 1
+  phrase_length: int = 1
+  ordered: bool = False
+
+  def initial(self, slots, length):
+    n, c, p = self.beam_size, self.phrases, self.phrase_length
+    return {**super().initial(slots, length), 'phrases': jnp.zeros((slots, c, p), jnp.int32),
+            'phrase_lengths': jnp.zeros((slots, c), jnp.int32),
+            'matched': jnp.zeros((slots, n, c), jnp.int32),  # [S, n, C]: how much of each phrase the output ends with
+            'met_at': jnp.full((slots, n, c), NOT_MET, jnp.int32),  # [S, n, C]: where each phrase was first met
+            'finished_raw': jnp.full((slots, n), IMPOSSIBLE_SCORE, jnp.float32)}  # [S, n]: their scores
+
+  def start(self, state, rows, max_lengths, given):
+    state = super().start(state, rows, max_lengths, given)
+    return {**state, 'phrases': _set_rows(state['phrases'], rows, given['phrases']),
+            'phrase_lengths': _set_rows(state['phrase_lengths'], rows, given['phrase_lengths']),
+            'matched': _set_rows(state['matched'], rows, 0), 'met_at': _set_rows(state['met_at'], rows, NOT_MET),
+            'finished_raw': _set_rows(state['finished_raw'], rows, IMPOSSIBLE_SCORE)}
+
+  def output(self, state):
+    kept = self.kept
+    return state['finished_tokens'][:, :kept, 1:], state['finished_raw'][:, :kept]  # [S, k, L], [S, k]
+
+  def step(self, state, tokens_to_logits, reorder_cache=gather_leading_rows):
+    n, alpha, p = self.beam_size, self.length_penalty_alpha, self.phrase_length
+    step, limits, live_scores = state['step'], state['max_lengths'], state['live_scores']  # [S], [S], [S, n]
+    phrases, phrase_lengths = state['phrases'], state['phrase_lengths']  # [S, C, P], [S, C]
+    slots, done = step.shape[0], self.done(state)
+    ids = jnp.take_along_axis(state['live_tokens'], step[:, None, None], axis=2).reshape(slots * n, 1)  # [Sn, 1]
+    logits, new_cache = tokens_to_logits(ids, step, state['cache'])
+    logits = logits.astype(jnp.float32)
+    forcing = normaliser = None
+    if self.prefixed:
+      logits, forcing, normaliser = forced(state, logits, n)
+    per_row = min(2 * n, logits.shape[-1] - 1)
+    row_logits, row_tokens, log_normalizer = best_tokens(logits, per_row, self.beam_top_k)  # [Sn, k], [Sn, 1]
+    if forcing is not None:
+      log_normalizer = jnp.where(forcing, normaliser, log_normalizer)
+    row_log_probs = (row_logits - log_normalizer).reshape(slots, n, per_row)  # [S, n, k]
+    row_tokens = row_tokens.reshape(slots, n, per_row)
+    # The candidates [S, M]: the 2n best extensions, each hypothesis's best token, its next token of each phrase.
+    best_scores, best_index = jax.lax.top_k((live_scores[:, :, None] + row_log_probs).reshape(slots, -1), 2 * n)
+    met = (state['met_at'] < NOT_MET) | (phrase_lengths[:, None, :] == 0)  # [S, n, C]
+    wanted = ~met
+    if self.ordered:  # only the first phrase not met
+      wanted &= jnp.cumsum(wanted, axis=-1) == 1
+    next_tokens = jnp.take_along_axis(phrases[:, None], jnp.minimum(state['matched'], p - 1)[..., None],
+                                      axis=3)[..., 0]  # [S, n, C]
+    next_log_probs = (jnp.take_along_axis(logits.reshape(slots, n, -1), next_tokens, axis=2)
+                      - log_normalizer.reshape(slots, n, 1))  # [S, n, C]
+    hypotheses = jnp.broadcast_to(jnp.arange(n)[None, :, None], next_tokens.shape)  # [S, n, C]
+    scores = jnp.concatenate([best_scores, live_scores + row_log_probs[:, :, 0],
+                              jnp.where(wanted, live_scores[:, :, None] + next_log_probs, IMPOSSIBLE_SCORE
+                                        ).reshape(slots, -1)], axis=1)  # [S, M]
+    beams = jnp.concatenate([best_index // per_row, hypotheses[:, :, 0], hypotheses.reshape(slots, -1)], axis=1)
+    tokens = jnp.concatenate([jnp.take_along_axis(row_tokens.reshape(slots, -1), best_index, axis=1),
+                              row_tokens[:, :, 0], next_tokens.reshape(slots, -1)], axis=1)  # [S, M]
+    written = _written(jnp.take_along_axis(state['live_tokens'], beams[:, :, None], axis=1), step + 1,
+                       tokens)  # [S, M, L+1]
+    # Each candidate's phrases: how much of each its output now ends with, where each was first met.
+    window_start = step + 2 - p  # [S]: the first of the output's last p positions (step + 1: the new token)
+    window = jnp.take_along_axis(written, jnp.clip(window_start[:, None] + jnp.arange(p), 0)[:, None, :], axis=2)
+    matched = _suffix_matches(window, window_start, phrases, phrase_lengths)  # [S, M, C]
+    met_at = jnp.take_along_axis(state['met_at'], beams[:, :, None], axis=1)  # [S, M, C]
+    completes = (matched == phrase_lengths[:, None, :]) & (phrase_lengths[:, None, :] > 0) & (met_at == NOT_MET)
+    if self.ordered:  # the previous phrase ended before this one began
+      previous = jnp.concatenate([jnp.full_like(met_at[..., :1], -1), met_at[..., :-1]], axis=-1)
+      completes &= (previous <= (step + 1)[:, None, None] - phrase_lengths[:, None, :]) | (
+          phrase_lengths[:, None, :] == 0)
+    met_at = jnp.where(completes, (step + 1)[:, None, None], met_at)
+    met = (met_at < NOT_MET) | (phrase_lengths[:, None, :] == 0)  # [S, M, C]
+    under_way = ~met & ((jnp.cumsum(~met, axis=-1) == 1) if self.ordered else True)
+    progress = (jnp.sum(jnp.where(met, phrase_lengths[:, None, :], 0), axis=-1)
+                + jnp.max(jnp.where(under_way, matched, 0), axis=-1))  # [S, M]: the bank
+    # Which candidates may be taken: possible, not one already listed, no EOS before every phrase is met.
+    m = scores.shape[1]
+    possible = scores > IMPOSSIBLE_SCORE / 2
+    same = (beams[:, :, None] == beams[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])  # [S, M(i), M(j)]
+    repeated = jnp.any(same & possible[:, None, :] & (jnp.arange(m)[None, :] < jnp.arange(m)[:, None]), axis=-1)
+    valid = possible & ~repeated & ~((tokens == self.eos_id) & ~jnp.all(met, axis=-1))  # [S, M]
+    ends = (tokens == self.eos_id) | (step + 1 >= limits)[:, None]  # [S, M]
+    # The step's 2n: the banks in turn, the best of each bank (most progress first), then the second of each, ...
+    # (without constraints: the 2n best, as BeamSearch's). Those that end are finished, the first n others go on.
+    total = self.phrases * self.phrase_length
+    turn = jnp.where(valid, _ranks(scores, progress, valid) * (total + 1) + (total - progress), NOT_MET)  # distinct
+    turns, chosen = jax.lax.top_k(-turn, 2 * n)  # [S, 2n], in turn
+    chosen_valid, chosen_ends = -turns < NOT_MET, jnp.take_along_axis(ends, chosen, axis=1)
+    order, first = jax.lax.top_k(-jnp.where(chosen_valid & ~chosen_ends, jnp.arange(2 * n), NOT_MET), n)  # [S, n]
+    live_pick = jnp.take_along_axis(chosen, first, axis=1)  # [S, n]
+    live_scores = jnp.where(-order < NOT_MET, jnp.take_along_axis(scores, live_pick, axis=1), IMPOSSIBLE_SCORE)
+    parent_rows = (jnp.take_along_axis(beams, live_pick, axis=1) + jnp.arange(slots)[:, None] * n).reshape(-1)
+    counted = chosen_valid & chosen_ends & ~done[:, None]  # [S, 2n]
+    if self.stop == 'beam_ended':  # among the step's first n
+      counted &= jnp.arange(2 * n) < n
+    ended_scores = jnp.where(counted, jnp.take_along_axis(scores, chosen, axis=1)
+                             / length_penalty(step + 1, alpha)[:, None], IMPOSSIBLE_SCORE)  # [S, 2n]
+    ended_met = jnp.take_along_axis(jnp.all(met, axis=-1), chosen, axis=1)  # [S, 2n]
+    # The n best finished, those that met every phrase first ('finished_scores' ranks, 'finished_raw' is the score).
+    ranking = jnp.concatenate([state['finished_scores'], jnp.where(ended_met, ended_scores, ended_scores + UNMET)], 1)
+    finished_scores, merged = jax.lax.top_k(ranking, n)  # [S, n]
+    finished = lambda old, new: jnp.take_along_axis(jnp.concatenate([old, new], axis=1),
+                                                    merged.reshape(merged.shape + (1,) * (old.ndim - 2)), axis=1)
+    pick = live_pick[:, :, None]
+    return {**state, 'step': jnp.where(done, step, step + 1), 'live_scores': live_scores,
+            'live_tokens': jnp.take_along_axis(written, pick, axis=1), 'finished_scores': finished_scores,
+            'finished_raw': finished(state['finished_raw'], ended_scores),
+            'finished_tokens': finished(state['finished_tokens'], jnp.take_along_axis(written, chosen[:, :, None], 1)),
+            'matched': jnp.take_along_axis(matched, pick, axis=1),
+            'met_at': jnp.take_along_axis(met_at, pick, axis=1), 'cache': reorder_cache(new_cache, parent_rows)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +615,8 @@ def sentence_keys(seed: int, numbers) -> np.ndarray:
                    for n in numbers]).astype(np.uint32).reshape(-1, 2)
 
 
-STRATEGIES = {}  # decoding_settings.STRATEGIES' names -> (DecodeSettings, num_results) -> Strategy
+STRATEGIES = {}  # decoding_settings.STRATEGIES' names -> (DecodeSettings, num_results, prefixed, constraint_shape)
+# -> Strategy
 
 
 def registered(name: str):
@@ -447,8 +627,19 @@ def registered(name: str):
   return register
 
 
+def _unconstrained(name: str, constraint_shape) -> None:
+  if constraint_shape:
+    from flax_transformer.errors import ArgumentError
+    raise ArgumentError(f'constraints are met by beam search and the strategy is {name!r}; give strategy=beam '
+                        f'(--strategy=beam) with them, or leave the constraints out')
+
+
 @registered('beam')
-def _beam(decoding, num_results, prefixed):
+def _beam(decoding, num_results, prefixed, constraint_shape):
+  if constraint_shape:  # a beam of 1 too: its one hypothesis still takes the constraints' tokens
+    return ConstrainedBeamSearch(decoding.beam_size, decoding.length_penalty_alpha, decoding.beam_top_k,
+                                 num_results, decoding.beam_stop, prefixed=prefixed, phrases=constraint_shape[0],
+                                 phrase_length=constraint_shape[1], ordered=decoding.constraint_order == 'ordered')
   if decoding.beam_size <= 1:  # the same tokens, without a beam's bookkeeping
     return GreedySearch(decoding.beam_top_k, prefixed=prefixed)
   return BeamSearch(decoding.beam_size, decoding.length_penalty_alpha, decoding.beam_top_k, num_results,
@@ -456,21 +647,25 @@ def _beam(decoding, num_results, prefixed):
 
 
 @registered('greedy')
-def _greedy(decoding, num_results, prefixed):
+def _greedy(decoding, num_results, prefixed, constraint_shape):
+  _unconstrained('greedy', constraint_shape)
   return GreedySearch(decoding.beam_top_k, prefixed=prefixed)
 
 
 @registered('sampling')
-def _sampling(decoding, num_results, prefixed):
+def _sampling(decoding, num_results, prefixed, constraint_shape):
+  _unconstrained('sampling', constraint_shape)
   return SamplingSearch(num_results or decoding.num_samples, decoding.temperature, decoding.top_k, decoding.top_p,
                         prefixed=prefixed)
 
 
-def strategy_for(decoding, num_results: int | None = None, prefixed: bool = False) -> Strategy:
+def strategy_for(decoding, num_results: int | None = None, prefixed: bool = False,
+                 constraint_shape: tuple[int, int] | None = None) -> Strategy:
   """The strategy `decoding` (decoding_settings.DecodeSettings) names, built by its registered function;
   `num_results`: the k best of a beam, or k samples; `prefixed`: sentences bring target prefixes (a program of
-  its own: without them a step holds no forcing)."""
-  return STRATEGIES[decoding.strategy](decoding, num_results, prefixed)
+  its own: without them a step holds no forcing); `constraint_shape`: sentences bring lexical constraints of
+  this static shape (constraint_shape(...); None: none)."""
+  return STRATEGIES[decoding.strategy](decoding, num_results, prefixed, constraint_shape)
 
 
 def run_to_end(strategy: Strategy, tokens_to_logits, cache, max_lengths: jax.Array, max_output_length: int,

@@ -223,8 +223,8 @@ class Translator:
   def translate(self, sentences: list[str], beam_size: int | None = None, length_penalty_alpha: float | None = None,
                 *,
                 split_long: bool = False, encoded: list[list[int]] | None = None, progress=None,
-                should_stop=None, numbers: list[int] | None = None, prefixes: list[str] | None = None
-                ) -> list[str] | None:
+                should_stop=None, numbers: list[int] | None = None, prefixes: list[str] | None = None,
+                constraints: list[list[str]] | None = None) -> list[str] | None:
     """Translations of `sentences`, in their order; an empty sentence gives an empty translation (with
     sampling, each sentence's first sample).
 
@@ -234,13 +234,23 @@ class Translator:
     batch) abandons the rest and returns None. `numbers`: the sentences' numbers (default 0, 1, ...), which
     with the seed alone choose a sentence's samples (a file's line numbers: the same samples however it is cut).
     `prefixes`: per sentence, text its translation must begin with (forced and scored; '' for none): the
-    output starts with the prefix's own pieces.
+    output starts with the prefix's own pieces. `constraints`: per sentence, a list of phrases its translation
+    must contain (lexical constraints, met by beam search: search.ConstrainedBeamSearch; [] for none), in any
+    order or, with the setting constraint_order='ordered', in theirs; an output cut at the length limit may lack
+    them.
     """
     sentences = texts(sentences)
     encoded = self.encode(sentences) if encoded is None else encoded
     numbers = list(range(len(sentences))) if numbers is None else list(numbers)
     forced = self.encode_prefixes(prefixes, encoded)
+    phrases = self.encode_constraints(constraints, encoded)
     owners = list(range(len(sentences)))
+    split_constrained = [i for i in (self.too_long(encoded) if split_long and phrases else ()) if phrases[i]]
+    if split_constrained:
+      i = split_constrained[0]
+      raise UserError(f'sentence {i} is longer than the model takes ({len(encoded[i])} tokens, at most '
+                      f'{self.max_source_tokens}) and has constraints, which no piece of it can be said to hold; '
+                      f'split it yourself and give each part its constraints')
     if split_long and self.too_long(encoded):
       long, pieces, owners, piece_numbers, piece_prefixes = set(self.too_long(encoded)), [], [], [], []
       for i, (sentence, ids) in enumerate(zip(sentences, encoded)):
@@ -251,9 +261,10 @@ class Translator:
         piece_numbers += [(numbers[i], piece) for piece in range(len(split))] if split else [numbers[i]]
         prefix = forced[i] if forced is not None else []
         piece_prefixes += [prefix] + [[]] * (len(split) - 1) if split else [prefix]  # the first piece's
+      phrases = [phrases[i] for i in owners] if phrases else None
       encoded, numbers, forced = pieces, piece_numbers, piece_prefixes
     hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop, numbers,
-                              forced)
+                              forced, phrases)
     if hypotheses is None:
       return None
     translations = [''] * len(sentences)
@@ -264,11 +275,12 @@ class Translator:
   @renamed_keywords
   def n_best(self, sentences: list[str], k: int, beam_size: int | None = None,
              length_penalty_alpha: float | None = None, numbers: list[int] | None = None,
-             prefixes: list[str] | None = None) -> list[list[tuple[str, float]]]:
+             prefixes: list[str] | None = None, constraints: list[list[str]] | None = None
+             ) -> list[list[tuple[str, float]]]:
     """The `k` best translations of each sentence with their length-penalised log-probabilities (the
     beam's own ranking), best first. The beam is max(k, beam_size) wide. An empty sentence gives []. With
-    the sampling strategy: `k` samples of each, in their order, with their log-probabilities (`numbers` and
-    `prefixes` as in `translate`)."""
+    the sampling strategy: `k` samples of each, in their order, with their log-probabilities (`numbers`,
+    `prefixes` and `constraints` as in `translate`)."""
     if not isinstance(k, int) or k < 1:
       raise UserError(f'n_best k={k!r} must be a positive integer; ask for at least one hypothesis')
     beam = max(k, self.beam_size if beam_size is None else beam_size)
@@ -276,7 +288,8 @@ class Translator:
       beam = self.beam_size
     encoded = self.encode(texts(sentences))
     results = self._decode(encoded, beam, length_penalty_alpha, k, numbers=numbers,
-                           prefixes=self.encode_prefixes(prefixes, encoded))
+                           prefixes=self.encode_prefixes(prefixes, encoded),
+                           constraints=self.encode_constraints(constraints, encoded))
     return [[(text, score) for text, score in best] for best in results]
 
   def score(self, sources: list[str], targets: list[str]) -> list[float]:
@@ -334,19 +347,53 @@ class Translator:
                         f'give a shorter prefix or a larger max_extra_length')
     return ids
 
+  def encode_constraints(self, constraints: list[list[str]] | None, encoded: list[list[int]]
+                         ) -> list[list[list[int]]] | None:
+    """Each sentence's phrases as ids (None: no constraints), checked: one list of phrases a sentence, each
+    phrase text the vocabulary spells, and all of a sentence's phrases shorter together than its output's length
+    limit (the source's tokens + EOS + max_extra_length, EOS included)."""
+    if constraints is None:
+      return None
+    if isinstance(constraints, (str, bytes)) or not isinstance(constraints, (list, tuple)):
+      raise ArgumentError(f'constraints must be a list with one list of phrases a sentence, not '
+                          f'{type(constraints).__name__}')
+    if len(constraints) != len(encoded):
+      raise UserError(f'{len(constraints)} constraint lists for {len(encoded)} sentences; give one list of phrases '
+                      f'a sentence ([] for none)')
+    phrases = []
+    for i, (given, source) in enumerate(zip(constraints, encoded)):
+      given = texts(given, f'constraints[{i}]')
+      ids = self.encode(given)
+      for phrase, text in zip(ids, given):
+        if not phrase:
+          raise UserError(f'constraint {text!r} of sentence {i} is empty; give a phrase with text, or leave it out')
+        if UNK_ID in phrase:
+          piece = self.processor.id_to_piece(phrase)[phrase.index(UNK_ID)]
+          raise UserError(f'constraint {text[:40]!r} of sentence {i} has text the vocabulary has no piece for (near '
+                          f'{piece!r}); give phrases in the target language\'s characters')
+      room = min(min(len(source), self.max_source_tokens) + 1 + self.max_extra_length, self.max_positions - 1)
+      tokens = sum(map(len, ids))
+      if source and tokens >= room:
+        raise UserError(f'the constraints of sentence {i} have {tokens} tokens and its output at most {room} '
+                        f'(its source\'s tokens + EOS + max_extra_length {self.max_extra_length}), EOS included; give '
+                        f'fewer or shorter phrases, or a larger max_extra_length')
+      phrases.append(ids)
+    return phrases
+
   def _decode(self, encoded, beam_size, length_penalty_alpha, num_results, progress=None, should_stop=None,
-              numbers=None, prefixes=None):
+              numbers=None, prefixes=None, constraints=None):
     """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best (or samples);
     `numbers`: the sentences' numbers, for their random keys (default 0, 1, ...)."""
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
     decoding = self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as settings are
-    strategy = search.strategy_for(decoding, num_results, prefixed=any(prefixes or ()))
+    strategy = search.strategy_for(decoding, num_results, prefixed=any(prefixes or ()),
+                                   constraint_shape=search.constraint_shape(constraints))
     keys = search.sentence_keys(decoding.sampling_seed, range(len(encoded)) if numbers is None else numbers) \
         if strategy.random else None
     decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots, mesh=self.mesh,
                             max_extra_length=self.max_extra_length, max_positions=self.max_positions)
-    results = decoder.run(encoded, progress, should_stop, keys, prefixes)
+    results = decoder.run(encoded, progress, should_stop, keys, prefixes, constraints)
     self.decoding_counts.update(decoder.counts)
     if results is None:
       return None

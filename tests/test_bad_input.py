@@ -281,6 +281,23 @@ CASES = [
     Case('translate_prefix_with_score', ('translate', '--workdir={W}', '--input={T}/in.txt', '--reference={T}/in.txt',
                                          '--score', '--prefix_file={T}/in.txt'), 1,
          'error: --prefix_file starts each translation and --score scores given lines; choose one'),
+    Case('translate_constraints_with_sampling', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                 '--strategy=sampling', '--constraints_file={T}/in.txt'), 1,
+         'error: --constraints_file is met by beam search and --strategy=sampling; give --strategy=beam (or leave it '
+         'out), or leave the constraints out'),
+    Case('translate_constraints_line_not_json', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                 '--constraints_file={T}/phrases.txt'), 1,
+         "error: {T}/phrases.txt line 2 is not JSON (Expecting value): 'Hund, Ball'; give a JSON list of phrases "
+         'such as ["Hund", "roten Ball"]', prepare=_write('{T}/phrases.txt', b'["RED"]\nHund, Ball\n[]\n')),
+    Case('translate_constraint_the_vocabulary_cannot_spell', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                              '--constraints_file={T}/snowmen.txt'), 1,
+         "error: constraint '☃☃' of sentence 1 has text the vocabulary has no piece for (near",
+         prepare=_write('{T}/snowmen.txt', '[]\n["RED", "☃☃"]\n\n'.encode())),
+    Case('translate_constraints_longer_than_the_limit', ('translate', '--workdir={W}', '--input={T}/in.txt',
+                                                         '--constraints_file={T}/long.txt'), 1,
+         'error: the constraints of sentence 0 have 360 tokens and its output at most 20 (its source\'s tokens + EOS '
+         '+ max_extra_length 10), EOS included; give fewer or shorter phrases, or a larger max_extra_length',
+         prepare=_write('{T}/long.txt', b'["' + b'RED ' * 120 + b'"]\n\n\n')),
     Case('translate_decode_slots_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--decode_slots=0'), 1,
          'error: --decode_slots=0: must be a positive integer'),
     Case('translate_alpha_negative_named_as_typed', ('translate', '--workdir={W}', '--input={T}/in.txt',
@@ -440,6 +457,8 @@ CALLS = [
     ("n_best('a', 2)", lambda t: t.n_best('a', 2), 'sentences must be a list of strings, not a single str'),
     ("score(['a'], 'b')", lambda t: t.score(['a'], 'b'), 'targets must be a list of strings, not a single str'),
     ("alignments([1], ['b'])", lambda t: t.alignments([1], ['b']), 'sources[0] is int 1, not a string'),
+    ("translate(['a'], constraints=['Hund'])", lambda t: t.translate(['a'], constraints=['Hund']),
+     "constraints[0] must be a list of strings, not a single str; for one sentence pass a list of one: ['Hund']"),
 ]
 
 

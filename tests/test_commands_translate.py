@@ -267,6 +267,18 @@ def test_n_best_score_and_alignment_outputs(trained, tmp_path):
   lengths = [len(ids) + 1 for ids in translator.encode(texts)]
   np.testing.assert_allclose([h['score'] for h in hypotheses[2]],
                              [s / ((5 + n) / 6) ** 0.6 for s, n in zip(forced, lengths)], atol=1e-3)
+  # --constraints_file: each translation holds its line's phrases ([]: none, as without the file).
+  constraints = tmp_path / 'constraints.jsonl'
+  constraints.write_text('["RED", "DOG A"]\n[]\n["HOUSE"]\n')
+  for order in ('unordered', 'ordered'):
+    constrained = _translate(workdir, f'--input={source}', '--beam_size=2', f'--constraints_file={constraints}',
+                             f'--constraint_order={order}')
+    assert constrained.returncode == 0, constrained.stderr.decode()[-1500:]
+    found = constrained.stdout.decode().splitlines()
+    assert found[1] == plain[1] and 'HOUSE' in found[2].split(), found
+    assert 'RED' in found[0].split() and 'DOG A' in found[0], found
+    if order == 'ordered':
+      assert found[0].index('RED') < found[0].index('DOG A'), found
 
 
 @pytest.mark.slow

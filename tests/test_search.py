@@ -511,3 +511,119 @@ def test_a_forced_prefix_begins_every_output_and_scores_as_teacher_forcing(small
   plain = run(dataclasses.replace(strategy, prefixed=False), None)  # sampling, as every strategy forces alike
   assert all([t.tolist() for t, _ in found[i]] == [t.tolist() for t, _ in plain[i]] for i in range(0, 12, 3))
   assert any(found[i][0][0].tolist() != plain[i][0][0].tolist() for i in range(12) if i % 3)  # the prefix did force
+
+
+# --- Lexical constraints ---------------------------------------------------------------------
+
+def _contains(tokens: list, phrases: list, ordered: bool) -> bool:
+  """Whether `tokens` holds every phrase as a run of tokens (ordered: each after the previous one's end)."""
+  start = 0
+  for phrase in phrases:
+    at = next((i for i in range(start if ordered else 0, len(tokens) - len(phrase) + 1)
+               if tokens[i:i + len(phrase)] == phrase), None)
+    if at is None:
+      return False
+    start = at + len(phrase)
+  return True
+
+
+def _constrained_brute_force(table, max_length, alpha, phrases, ordered):
+  """_brute_force over the sequences a constrained search may return: those that contain the phrases and end
+  with EOS or at the length limit, else (none does) those cut at the limit."""
+  log_probs = np.asarray(jax.nn.log_softmax(jnp.asarray(table)))
+  best, best_seq = (-np.inf, False), None
+  for length in range(1, max_length + 1):
+    for body in itertools.product(range(2, table.shape[-1]), repeat=length - 1):
+      for last in range(1, table.shape[-1]):
+        full = list(body) + [last]
+        met = _contains(full, phrases, ordered)
+        if (length < max_length and last != 1) or (last == 1 and not met):
+          continue
+        score = sum(log_probs[step, prev, token] for step, (prev, token) in enumerate(zip([0] + full, full)))
+        score /= ((5 + length) / 6) ** alpha
+        if (met, score) > best[::-1]:
+          best, best_seq = (score, met), full
+  return best[0], best_seq
+
+
+@pytest.mark.parametrize('ordered', [False, True])
+def test_constrained_beam_search_finds_the_brute_force_optimum(ordered):
+  """Ten random tables over 3 tokens and EOS, up to 6 tokens, with one or two random phrases of one or two tokens
+  (repeats and overlaps included): a beam wide enough to be exhaustive returns the best-scoring sequence that
+  contains them (ordered: one after the other), or is cut at the limit, found by enumerating every sequence."""
+  rng = np.random.default_rng(11 + ordered)
+  vocab, max_length = 5, 6
+  beam = 3 ** (max_length - 1) * 2
+  strategy = search.ConstrainedBeamSearch(beam, 0.6, phrases=2, phrase_length=2, ordered=ordered)
+
+  @jax.jit
+  def run(table, given):
+    return search.run_to_end(strategy, _table_model(table), {'rows': jnp.zeros((beam,))}, jnp.array([max_length]),
+                             max_length, given=given)
+  for trial in range(10):
+    table = rng.normal(size=(max_length, vocab, vocab)).astype(np.float32) * 2
+    phrases = [[int(t) for t in rng.integers(2, vocab, rng.integers(1, 3))] for _ in range(rng.integers(1, 3))]
+    tokens, scores = run(table, search.sentence_inputs(1, max_length, constraints=[phrases], constraint_shape=(2, 2)))
+    expected_score, expected_seq = _constrained_brute_force(table, max_length, 0.6, phrases, ordered)
+    assert [int(t) for t in tokens[0, 0] if t] == expected_seq, (trial, phrases)
+    np.testing.assert_allclose(float(scores[0, 0]), expected_score, rtol=1e-5)
+
+
+def test_a_beam_of_four_meets_every_constraint_the_length_limit_leaves_room_for():
+  """32 random tables (a sentence each, 10 tokens and EOS, up to 12 tokens) with one to three random phrases of one
+  to three tokens (at most 9 tokens: room in 12), searched at once in 32 slots by a beam of 4, unordered and
+  ordered: every output contains its phrases, whether it ends with EOS or at the length limit."""
+  rng = np.random.default_rng(3)
+  slots, vocab, max_length, n = 32, 12, 12, 4
+  tables = rng.normal(size=(slots, max_length, vocab, vocab)).astype(np.float32)
+  constraints = [[[int(t) for t in rng.integers(2, vocab, rng.integers(1, 4))] for _ in range(rng.integers(1, 4))]
+                 for _ in range(slots)]
+
+  def tokens_to_logits(ids, steps, cache):  # row r holds a hypothesis of slot r // n
+    rows = jnp.arange(ids.shape[0])
+    return jnp.asarray(tables)[rows // n, steps[rows // n], ids[:, 0]], cache
+  for ordered in (False, True):
+    strategy = search.ConstrainedBeamSearch(n, 0.6, phrases=4, phrase_length=4, ordered=ordered)
+    given = search.sentence_inputs(slots, max_length, constraints=constraints, constraint_shape=(4, 4))
+    tokens, _ = jax.jit(lambda given: search.run_to_end(strategy, tokens_to_logits, jnp.zeros(()),
+                                                        jnp.full((slots,), max_length), max_length, given=given))(given)
+    outputs = [[t for t in row.tolist() if t > 1] for row in np.asarray(tokens)[:, 0]]
+    assert sum(1 in row for row in np.asarray(tokens)[:, 0].tolist()) >= slots // 3  # many end with EOS
+    for output, phrases in zip(outputs, constraints):
+      assert _contains(output, phrases, ordered), (ordered, phrases, output)
+
+
+def test_constraints_in_refilled_slots_score_their_tokens_and_leave_other_sentences_as_they_were(
+    small_model_config):
+  """16 sentences through 8 slots of a small random model, beam 4 (its 2 best), three in four with one to three
+  phrases of one to three random tokens, unordered and ordered: every returned output scores what teacher
+  forcing gives its tokens, one that ends with EOS contains its phrases, the outputs hold far more of the
+  phrases than unconstrained ones, and a sentence without phrases decodes as BeamSearch decodes it."""
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  inputs = random_batch(np.random.default_rng(5), 16, 7, 5, config.vocab_size)['inputs']
+  model = Transformer(config)
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(8), inputs, inputs)['params'])
+  encoded = [[int(t) for t in row if t > 1] for row in inputs]
+  rng = np.random.default_rng(1)
+  constraints = [[[int(t) for t in rng.integers(3, config.vocab_size, rng.integers(1, 4))]
+                  for _ in range(rng.integers(1, 4))] if i % 4 else [] for i in range(16)]
+  run = lambda strategy, constraints=None: engine.Engine(model, params, strategy, slots=8, max_extra_length=8,
+                                                         max_positions=64).run(encoded, constraints=constraints)
+  plain = run(search.BeamSearch(4, 0.6, num_results=2))
+  met = lambda found: sum(_contains(results[0][0].tolist(), [phrase], False)
+                          for results, phrases in zip(found, constraints) for phrase in phrases)
+  assert search.constraint_shape(constraints) == (4, 4)
+  for ordered in (False, True):
+    found = run(search.ConstrainedBeamSearch(4, 0.6, num_results=2, ordered=ordered, phrases=4, phrase_length=4),
+                constraints)
+    tokens = np.stack([np.stack([t for t, _ in results]) for results in found])  # [16, 2, L]
+    expected = _teacher_forced_scores(model, params, inputs, tokens, 0.6)
+    np.testing.assert_allclose([[s for _, s in results] for results in found], expected, rtol=1e-4, atol=1e-4)
+    for i, phrases in enumerate(constraints):
+      for output in (t.tolist() for t in tokens[i]):
+        assert 1 not in output or _contains(output[:output.index(1)], phrases, ordered), (ordered, i, output)
+      if not phrases:
+        assert [t.tolist() for t, _ in found[i]] == [t.tolist() for t, _ in plain[i]]
+        np.testing.assert_allclose([s for _, s in found[i]], [s for _, s in plain[i]], rtol=1e-5)
+    print(f'ordered={ordered}: {met(found)} of {sum(map(len, constraints))} phrases met, {met(plain)} unconstrained')
+    assert met(found) == sum(map(len, constraints))

@@ -67,6 +67,12 @@ def define(flag_values, argv) -> None:
     flags.DEFINE_alias(alias, name, flag_values=flag_values)
   define('string', 'prefix_file', None, 'Text each translation must begin with, one line per input line (empty: '
          'none; plain or .gz): forced, scored, and written as the output\'s start.')
+  define('string', 'constraints_file', None, 'Phrases each translation must contain, one JSON list of phrases per '
+         'input line (e.g. ["Hund", "roten Ball"]; an empty line or [] for none; plain or .gz): lexical constraints, '
+         'met by beam search (Hu et al., 2019, dynamic beam allocation).')
+  flags.DEFINE_enum('constraint_order', None, list(decoding_settings.CONSTRAINT_ORDERS), 'With --constraints_file: '
+                    'unordered (each phrase anywhere) or ordered (in the order given) (default: the config\'s).',
+                    flag_values=flag_values)
   define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
   define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
   define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
@@ -82,9 +88,9 @@ def define(flag_values, argv) -> None:
          'part; the output appears, whole, when every part is done. 0: one part.')
   define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
          'punctuation, instead of cutting them (a warning counts them either way).')
-  define('integer', 'storage_timeout_seconds', 300, 'A read of the input, reference or prefixes, or a write of a '
-         'part or the output, still unfinished after this stops the program (a storage server that stopped '
-         'answering).')
+  define('integer', 'storage_timeout_seconds', 300, 'A read of the input, reference, prefixes or constraints, or a '
+         'write of a part or the output, still unfinished after this stops the program (a storage server that '
+         'stopped answering).')
   from flax_transformer import commands
   commands.define_weights(flag_values)
   commands.define_cluster(flag_values)
@@ -92,7 +98,8 @@ def define(flag_values, argv) -> None:
 
 STREAM_LINES = 256  # the most stdin lines translated together
 DECODING_FLAGS = ('strategy', 'beam_size', 'length_penalty_alpha', 'decode_slots', 'eval_tokens_per_batch', 'beam_stop',
-                  'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed')  # DecodeSettings' names
+                  'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed', 'constraint_order')  # DecodeSettings'
+# names
 
 
 ALIASES = {'alpha': 'length_penalty_alpha', 'batch_tokens': 'eval_tokens_per_batch', 'seed': 'sampling_seed'}  # short name -> flag
@@ -142,7 +149,14 @@ def check_flags(f, argv: list[str] = ()) -> None:
     raise UserError('--prefix_file starts each translation and --score scores given lines; choose one')
   if f.prefix_file and f.input == '-':
     raise UserError('--prefix_file gives the prefix of each line of a file; give the lines as --input=FILE')
-  for name in ('input', 'reference', 'prefix_file'):
+  if f.constraints_file and f.score:
+    raise UserError('--constraints_file steers each translation and --score scores given lines; choose one')
+  if f.constraints_file and f.input == '-':
+    raise UserError('--constraints_file gives the phrases of each line of a file; give the lines as --input=FILE')
+  if f.constraints_file and f.strategy in ('greedy', 'sampling'):
+    raise UserError(f'--constraints_file is met by beam search and --strategy={f.strategy}; give --strategy=beam '
+                    f'(or leave it out), or leave the constraints out')
+  for name in ('input', 'reference', 'prefix_file', 'constraints_file'):
     path = getattr(f, name)
     if path and path != '-':
       parallel_text.check_file(path, f'--{name}')
@@ -162,7 +176,7 @@ def reads(f, vocabulary: str = '') -> dict:
   """What translate reads, none of which --output may be, hold or sit inside."""
   named = {'the workdir' if i == 0 else f'the workdir {w}': w for i, w in enumerate(workdirs(f))}
   return {**named, 'the checkpoint folder': f.checkpoint_dir, 'the input': f.input, 'the reference': f.reference,
-          'the prefix file': f.prefix_file, 'the vocabulary': vocabulary}
+          'the prefix file': f.prefix_file, 'the constraints file': f.constraints_file, 'the vocabulary': vocabulary}
 
 
 def stdin_chunks(wait: float):
@@ -224,10 +238,11 @@ class Progress:
 
 
 def output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, numbers: list[int],
-                 prefixes: list[str] | None = None):
+                 steering: dict | None = None):
   """The output lines for `sources` (and their `targets` with --score), and the best translations; `numbers`:
-  their input line numbers (from 0); `prefixes`: every input line's (--prefix_file), or None."""
-  prefixes = [prefixes[n] for n in numbers] if prefixes is not None else None
+  their input line numbers (from 0); `steering`: what every input line brings besides its text, by the
+  Translator's keyword ({'prefixes': [...], 'constraints': [...]}: read_steering)."""
+  steering = {name: [values[n] for n in numbers] for name, values in (steering or {}).items()}
   if f.score:
     scores = translator.score(sources, targets)
     links = translator.alignments(sources, targets) if f.alignment else None
@@ -243,7 +258,7 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
   listed = f.n_best or (translator.decoding.num_samples if translator.decoding.strategy == 'sampling' else 0)
   if listed > 1 or f.n_best:  # the beam's n best, or several samples
     hypotheses = translator.n_best(sources, listed, f.beam_size, f.length_penalty_alpha, numbers=numbers,
-                                   prefixes=prefixes)
+                                   **steering)
     lines, best = [], [h[0][0] if h else '' for h in hypotheses]
     for i, found in enumerate(hypotheses):
       entries = [{'text': text, 'score': round(score, 4)} for text, score in found]
@@ -253,14 +268,14 @@ def output_lines(translator, f, sources: list[str], targets: list[str] | None, p
       lines.append(json.dumps({'n': numbers[i], 'hypotheses': entries}, ensure_ascii=False))
     return lines, best
   best = translator.translate(sources, f.beam_size, f.length_penalty_alpha, split_long=f.split_long, encoded=encoded,
-                              progress=progress, numbers=numbers, prefixes=prefixes)
+                              progress=progress, numbers=numbers, **steering)
   if f.alignment:
     return [f'{t} ||| {links}' for t, links in zip(best, translator.alignments(sources, best))], best
   return best, best
 
 
 def shared_output_lines(translator, f, sources: list[str], targets: list[str] | None, progress, first: int,
-                        prefixes: list[str] | None = None):
+                        steering: dict | None = None):
   """output_lines of `sources` (input lines `first`, `first` + 1, ...), on every process: each translates its
   share (every processes-th line) on its devices and the output lines are gathered in order."""
   import jax
@@ -268,10 +283,10 @@ def shared_output_lines(translator, f, sources: list[str], targets: list[str] | 
   processes, mine = jax.process_count(), slice(jax.process_index(), None, jax.process_count())
   numbers = list(range(first, first + len(sources)))
   if processes == 1:
-    return output_lines(translator, f, sources, targets, progress, numbers, prefixes)
+    return output_lines(translator, f, sources, targets, progress, numbers, steering)
   scaled = progress and (lambda n, total: progress(min(n * processes, len(sources)), len(sources)))
   lines, best = output_lines(translator, f, sources[mine], targets[mine] if targets else None, scaled, numbers[mine],
-                             prefixes)
+                             steering)
   lines = cluster.gathered_texts(lines, len(sources), f'output lines {first + 1} to {first + len(sources)}')
   return lines, None if f.score else cluster.gathered_texts(best, len(sources), f'translations {first + 1} to '
                                                                             f'{first + len(sources)}')
@@ -280,20 +295,22 @@ def shared_output_lines(translator, f, sources: list[str], targets: list[str] | 
 JOB_FILE = 'job.json'  # in OUTPUT.parts/: what the parts translate (input, model, choices)
 OUTPUT_FLAGS = ('workdir', 'checkpoint_dir', 'step', 'average_last', 'checkpoint', 'weights', 'strategy', 'beam_size',
                 'length_penalty_alpha', 'beam_stop', 'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed',
-                'n_best', 'score', 'alignment', 'split_long', 'part_lines', 'reference', 'prefix_file')  # the output's
+                'n_best', 'score', 'alignment', 'split_long', 'part_lines', 'reference', 'prefix_file', 'constraints_file',
+                'constraint_order')  # the output's
 
 
 def parts_folder(output: str) -> str:
   return f'{output}.parts'
 
 
-def job_identity(f, sources: list[str], checkpoints, prefixes: list[str] | None = None) -> dict:
-  """What a long job's parts hold: its input and prefixes (by content), the model and the choices that change
-  the output."""
-  digest = lambda lines: hashlib.sha256('\n'.join(lines).encode('utf-8')).hexdigest()
+def job_identity(f, sources: list[str], checkpoints, steering: dict | None = None) -> dict:
+  """What a long job's parts hold: its input, prefixes and constraints (by content), the model and the choices
+  that change the output."""
+  digest = lambda lines: hashlib.sha256('\n'.join(line if isinstance(line, str) else json.dumps(line)
+                                                   for line in lines).encode('utf-8')).hexdigest()
   return {'input': f.input, 'input_sha256': digest(sources), 'lines': len(sources), 'checkpoints': repr(checkpoints),
           'flags': {name: getattr(f, name) for name in OUTPUT_FLAGS},
-          **({'prefixes_sha256': digest(prefixes)} if prefixes is not None else {})}
+          **{f'{name}_sha256': digest(values) for name, values in (steering or {}).items()}}
 
 
 def committed_parts(f, job: dict) -> dict[int, list]:
@@ -313,7 +330,7 @@ def committed_parts(f, job: dict) -> dict[int, list]:
   return parts
 
 
-def translate_in_parts(translator, f, sources, references, prefixes=None) -> tuple[list[str], list[str]]:
+def translate_in_parts(translator, f, sources, references, steering=None) -> tuple[list[str], list[str]]:
   """--input and --output files: the output lines and best translations of every part, each part committed to
   OUTPUT.parts/ as it is done (and skipped when a stopped run of the same command had committed it). On several
   processes every process translates its share of each part and process 0, which alone reads and writes the
@@ -322,7 +339,7 @@ def translate_in_parts(translator, f, sources, references, prefixes=None) -> tup
   from flax_transformer import cluster, storage
   from flax_transformer.errors import UserError
   chief, processes = jax.process_index() == 0, jax.process_count()
-  job = job_identity(f, sources, translator.checkpoints, prefixes)
+  job = job_identity(f, sources, translator.checkpoints, steering)
   jobs = cluster.agree('translation job', value=json.dumps(job, sort_keys=True))
   for process, other in enumerate(jobs):
     if other != jobs[0]:
@@ -360,7 +377,7 @@ def translate_in_parts(translator, f, sources, references, prefixes=None) -> tup
       rate = (done_before + n - before) / seconds if seconds > 0 else 0.0
       left = (len(sources) - done_before - n) / rate if rate else 0.0
       shown.update(f'{done_before + n}/{len(sources)} lines, {rate:,.1f} lines/s, ETA {left / 60:.1f} min')
-    lines, best = shared_output_lines(translator, f, chunk, targets, progress if chief else None, first, prefixes)
+    lines, best = shared_output_lines(translator, f, chunk, targets, progress if chief else None, first, steering)
     parts[index] = [[line, translation] for line, translation in zip(lines, best or [None] * len(lines))]
     if chief:
       data = ''.join(json.dumps(entry, ensure_ascii=False) + '\n' for entry in parts[index])
@@ -400,6 +417,40 @@ def translate(f, argv: list[str] = ()) -> None:
   cluster.together(lambda: _translate(f))
 
 
+def read_steering(f, read, count: int) -> dict:
+  """What each of the `count` input lines brings besides its text, by the Translator's keyword: 'prefixes'
+  (--prefix_file's lines) and 'constraints' (--constraints_file's, a JSON list of phrases a line); one line
+  each per input line, or a one-line DataError."""
+  from flax_transformer import parallel_text
+  steering = {}
+  for name, path, what in (('prefixes', f.prefix_file, 'prefix line'),
+                           ('constraints', f.constraints_file, 'JSON list of phrases')):
+    if not path:
+      continue
+    lines = read(path)
+    if len(lines) != count:
+      raise parallel_text.DataError(f'{path} has {len(lines)} lines but the input has {count}; give one {what} '
+                                    f'per input line (an empty line for none)')
+    steering[name] = lines if name == 'prefixes' else [phrase_list(path, n, line) for n, line in enumerate(lines)]
+  return steering
+
+
+def phrase_list(path: str, number: int, line: str) -> list[str]:
+  """Line `number` (from 0) of a constraints file: a JSON list of phrases (an empty line: none)."""
+  from flax_transformer import parallel_text
+  if not line.strip():
+    return []
+  try:
+    phrases = json.loads(line)
+  except ValueError as error:
+    raise parallel_text.DataError(f'{path} line {number + 1} is not JSON ({error.msg}): {line[:60]!r}; give a JSON '
+                                  f'list of phrases such as ["Hund", "roten Ball"]') from None
+  if not isinstance(phrases, list) or not all(isinstance(p, str) for p in phrases):
+    raise parallel_text.DataError(f'{path} line {number + 1} is {line[:60]!r}, not a JSON list of strings; give a '
+                                  f'list of phrases such as ["Hund", "roten Ball"]')
+  return phrases
+
+
 def _translate(f) -> None:
   import jax
   from flax_transformer import evaluation, parallel_text, storage
@@ -415,10 +466,7 @@ def _translate(f) -> None:
   if sources is not None and references is not None and len(references) != len(sources):
     raise parallel_text.DataError(f'{f.reference} has {len(references)} lines but the input has {len(sources)}; '
                                    f'give the reference of this input')
-  prefixes = read(f.prefix_file) if f.prefix_file else None
-  if prefixes is not None and len(prefixes) != len(sources):
-    raise parallel_text.DataError(f'{f.prefix_file} has {len(prefixes)} lines but the input has {len(sources)}; '
-                                  f'give one prefix line per input line (an empty line for none)')
+  steering = read_steering(f, read, len(sources)) if sources is not None else {}
   translator = load(f)
   storage.check_output(f'--output={f.output}', f.output, reads(f, translator.settings.data.vocab_path))
   what = f'{len(sources)} lines' if sources is not None else 'standard input line by line'
@@ -431,7 +479,7 @@ def _translate(f) -> None:
   written, translations, done = [], [], 0
   in_parts = sources is not None and not to_stdout
   if in_parts:
-    written, translations = translate_in_parts(translator, f, sources, references, prefixes)
+    written, translations = translate_in_parts(translator, f, sources, references, steering)
     done = len(sources)
   chunks = [] if in_parts else stdin_chunks(f.stream_wait) if sources is None else [sources]
   shown = Progress()
@@ -443,7 +491,7 @@ def _translate(f) -> None:
         raise parallel_text.DataError(f'standard input has more lines than the {len(references)} of '
                                        f'{f.reference}; give the reference of this input')
       targets = references[done:done + len(chunk)]
-    lines, best = shared_output_lines(translator, f, chunk, targets, progress, done, prefixes)
+    lines, best = shared_output_lines(translator, f, chunk, targets, progress, done, steering)
     done += len(chunk)
     translations += best or []
     if to_stdout and chief:
