@@ -311,7 +311,7 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
       programs.encode.lower(model.params, inputs).compile()
       given = search.sentence_inputs(shape.admit_rows, shape.max_output_length)
       programs.admit.lower(model.params, state, programs.encode(model.params, inputs), rows, rows, given).compile()
-    compiled = programs.generate.lower(model.params, state, np.int32(1)).compile()
+    compiled = programs.generate.lower(model.params, state, np.int32(1), np.int32(1 << 30)).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()  # generate's: the decoding program
     peak = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes

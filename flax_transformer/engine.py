@@ -109,10 +109,10 @@ def admit(params, state, memories, picks, rows, given, *, model, strategy: searc
   return spread(strategy.start({**state, 'cache': caches}, rows, max_lengths, given), mesh)
 
 
-def generate(params, state, want, *, model, strategy: search.Strategy, mesh=None):
-  """Every slot stepped until `want` more slots are done than were, or all are -> (state, done [S] bool,
-  tokens [S, kept, L], scores [S, kept]: the strategy's output, final where done; the steps run and the
-  sentence-steps among them (slots not done))."""
+def generate(params, state, want, max_steps, *, model, strategy: search.Strategy, mesh=None):
+  """Every slot stepped until `want` more slots are done than were, or all are, or `max_steps` steps have run ->
+  (state, done [S] bool, tokens [S, kept, L], scores [S, kept]: the strategy's output, final where done; the
+  steps run and the sentence-steps among them (slots not done))."""
   tokens_to_logits, reorder_cache = _callbacks(*search.members(model, params))
   target = jnp.minimum(jnp.sum(strategy.done(state)) + want, state['step'].shape[0])
 
@@ -120,9 +120,15 @@ def generate(params, state, want, *, model, strategy: search.Strategy, mesh=None
     state, steps, busy = carry
     return (strategy.step(state, tokens_to_logits, reorder_cache), steps + 1,
             busy + jnp.sum(~strategy.done(state)))
-  state, steps, busy = jax.lax.while_loop(lambda carry: jnp.sum(strategy.done(carry[0])) < target, step,
-                                          (state, jnp.int32(0), jnp.int32(0)))
+  state, steps, busy = jax.lax.while_loop(
+      lambda carry: (jnp.sum(strategy.done(carry[0])) < target) & (carry[1] < max_steps), step,
+      (state, jnp.int32(0), jnp.int32(0)))
   return (spread(state, mesh), strategy.done(state), *strategy.output(state), steps, busy)
+
+
+def evict(state, rows):
+  """The state with slots `rows` [S] (S: a padding row, left out) done at once: no token left to produce."""
+  return {**state, 'max_lengths': state['max_lengths'].at[rows].set(0, mode='drop')}
 
 
 def translate_batch(params, inputs, *, model, strategy: search.Strategy, max_extra_length: int,
@@ -162,6 +168,7 @@ class Programs:
   encode: callable
   admit: callable
   generate: callable
+  evict: callable
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +182,8 @@ def programs(model, strategy: search.Strategy, slots: int, source_length: int, m
       encode=jax.jit(functools.partial(encode, model=model)),
       admit=jax.jit(functools.partial(admit, model=model, strategy=strategy, max_extra_length=max_extra_length,
                                       max_output_length=max_output_length, mesh=mesh), donate_argnums=(1,)),
-      generate=jax.jit(functools.partial(generate, model=model, strategy=strategy, mesh=mesh), donate_argnums=(1,)))
+      generate=jax.jit(functools.partial(generate, model=model, strategy=strategy, mesh=mesh), donate_argnums=(1,)),
+      evict=jax.jit(evict, donate_argnums=(0,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,57 +240,116 @@ class Engine:
     them, best first; an empty sentence gives []. `progress(done, total)` is called after each `generate`; a true
     `should_stop()` (checked before each) abandons the rest and returns None. keys [N, 2] uint32: each
     sentence's random key (search.sentence_keys), for a strategy that draws (default: zeros); `prefixes`: the
-    ids each output must begin with (default: none; each shorter than its sentence's length limit)."""
-    limit = self.max_positions - 1
-    sources = [ids[:limit] + [EOS_ID] if ids else [] for ids in encoded]
+    ids each output must begin with (default: none; each shorter than its sentence's length limit); `constraints`:
+    per sentence the phrases (lists of ids) its output must contain, for a search.ConstrainedBeamSearch (its
+    static shape holds them)."""
+    sources = [self.source(ids) for ids in encoded]
     results = [[] for _ in sources]
     queue = collections.deque(sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: -len(sources[i])))
     if not queue:
       return results
     total, finished = len(queue), 0
-    shape = self.shape(encoded)
-    slots, admit_rows = shape.slots, shape.admit_rows
-    room = (getattr(self.strategy, 'phrases', 1), getattr(self.strategy, 'phrase_length', 1))
-    brought = search.sentence_inputs(len(encoded), shape.max_output_length, keys, prefixes, constraints,
-                                     room)  # [N, ...] each
-    compiled = shape.programs
-    state = compiled.empty(self.params)
-    free, occupant = list(range(slots)), {}
-    encoded_ahead, ahead = None, []  # the next sentences, encoded together: their memories and indices
-    while queue or ahead or occupant:
+    batch = Running(self, self.shape(encoded))
+    brought = self.brought(len(encoded), batch.shape, keys, prefixes, constraints)  # [N, ...] each
+    while queue or batch.waiting or batch.occupied:
       if should_stop and should_stop():
         return None
-      while (queue or ahead) and free:
-        if not ahead:  # the next `slots` sentences in one encoder call (they have similar lengths)
-          ahead = [queue.popleft() for _ in range(min(slots, len(queue)))]
-          width = self.padded(len(sources[ahead[0]]))  # the longest of them
-          inputs = np.zeros((slots, width), np.int32)
-          for row, i in enumerate(ahead):
-            inputs[row, :len(sources[i])] = sources[i]
-          encoded_ahead, first = compiled.encode(self.params, inputs), len(ahead)
-        count = min(admit_rows, len(ahead), len(free))
-        picks = np.zeros((admit_rows,), np.int32)
-        rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
-        admitted = np.zeros((admit_rows,), np.int32)  # their sentences (padding rows: sentence 0's, unused)
-        for row in range(count):
-          picks[row], rows[row] = first - len(ahead), free.pop(0)
-          occupant[int(rows[row])] = admitted[row] = ahead.pop(0)
-        given = {name: values[admitted] for name, values in brought.items()}
-        state = compiled.admit(self.params, state, encoded_ahead, picks, rows, given)
-      waiting = len(queue) + len(ahead)
-      want = min(admit_rows, waiting) if waiting else slots
-      state, *outputs = compiled.generate(self.params, state, np.int32(want))
-      done, tokens, scores, steps, busy = jax.device_get(outputs)
-      self.counts.update(calls=1, steps=int(steps), slot_steps=int(steps) * slots, sentence_steps=int(busy))
-      for slot in np.flatnonzero(done):
-        i = occupant.pop(int(slot), None)
-        if i is not None:
-          results[i] = [(tokens[slot, j], float(scores[slot, j])) for j in range(tokens.shape[1])]
-          free.append(int(slot))
-          finished += 1
+      if queue and batch.free and not batch.waiting:  # the next `slots` sentences (similar lengths) encoded together
+        ahead = [queue.popleft() for _ in range(min(batch.shape.slots, len(queue)))]
+        batch.join(ahead, [sources[i] for i in ahead], {name: values[ahead] for name, values in brought.items()})
+      waiting = len(queue) + len(batch.waiting)
+      for i, found in batch.advance(min(batch.shape.admit_rows, waiting) if waiting else batch.shape.slots):
+        results[i] = found
+        finished += 1
       if progress:
         progress(finished, total)
     return results
+
+  def source(self, ids: list[int]) -> list[int]:
+    """A sentence's ids as the engine decodes them: cut to the model's positions, EOS added (none: [])."""
+    return ids[:self.max_positions - 1] + [EOS_ID] if ids else []
+
+  def brought(self, count: int, shape: 'Shape', keys=None, prefixes=None, constraints=None) -> dict:
+    """search.sentence_inputs of `count` sentences for a run of `shape` with this engine's strategy."""
+    room = (getattr(self.strategy, 'phrases', 1), getattr(self.strategy, 'phrase_length', 1))
+    return search.sentence_inputs(count, shape.max_output_length, keys, prefixes, constraints, room)
+
+
+class Running:
+  """One shape's slots and the sentences in them, each known by a handle of the caller's: sentences `join`
+  (encoded together, then admitted as slots free up) and leave with their results from `advance`; `evict`
+  frees a sentence's slot at once (its results dropped). Engine.run drives one over a list; a server drives one
+  per shape over sentences as requests bring them."""
+
+  def __init__(self, engine: Engine, shape: Shape):
+    self.engine, self.shape = engine, shape
+    self.state = shape.programs.empty(engine.params)
+    self.free, self.occupant = list(range(shape.slots)), {}  # free slots; slot -> handle
+    self.waiting = []  # encoded, not yet admitted: [(handle, row of `encoded`, what it brings)]
+    self.encoded = None
+
+  occupied = property(lambda self: bool(self.occupant))
+
+  def join(self, handles: list, sources: list[list[int]], brought: dict, rows: int | None = None) -> None:
+    """Sentences `sources` (ids ending in EOS, at most the shape's source length; no more than `rows`, default
+    the slots) known as `handles`, bringing `brought` (search.sentence_inputs' arrays, one row each), encoded
+    in one call of `rows` rows and admitted as slots free up. Only when none is waiting."""
+    assert not self.waiting, 'sentences are still waiting for slots'
+    rows = rows or self.shape.slots
+    width = self.engine.padded(max(map(len, sources)))
+    inputs = np.zeros((rows, width), np.int32)
+    for row, ids in enumerate(sources):
+      inputs[row, :len(ids)] = ids
+    self.encoded = self.shape.programs.encode(self.engine.params, inputs)
+    self.waiting = [(handle, row, {name: values[row] for name, values in brought.items()})
+                    for row, handle in enumerate(handles)]
+    self._admit()
+
+  def _admit(self) -> None:
+    admit_rows, slots = self.shape.admit_rows, self.shape.slots
+    while self.waiting and self.free:
+      count = min(admit_rows, len(self.waiting), len(self.free))
+      picks = np.zeros((admit_rows,), np.int32)
+      rows = np.full((admit_rows,), slots, np.int32)  # slots: a padding row, left out
+      chosen = [self.waiting.pop(0) for _ in range(count)]
+      for row, (handle, pick, _) in enumerate(chosen):
+        picks[row], rows[row] = pick, self.free.pop(0)
+        self.occupant[int(rows[row])] = handle
+      given = {name: np.stack([brought[name] for _, _, brought in chosen]
+                              + [np.zeros_like(chosen[0][2][name])] * (admit_rows - count))
+               for name in chosen[0][2]}
+      self.state = self.shape.programs.admit(self.engine.params, self.state, self.encoded, picks, rows, given)
+
+  def advance(self, want: int, max_steps: int = 1 << 30) -> list:
+    """Every slot stepped until `want` more are done than were, or all are, or after `max_steps` steps; then
+    the waiting sentences admitted to the freed slots. Returns [(handle, results), ...] of the sentences done
+    (results as Engine.run's)."""
+    engine = self.engine
+    self.state, *outputs = self.shape.programs.generate(engine.params, self.state, np.int32(want), np.int32(max_steps))
+    done, tokens, scores, steps, busy = jax.device_get(outputs)
+    engine.counts.update(calls=1, steps=int(steps), slot_steps=int(steps) * self.shape.slots, sentence_steps=int(busy))
+    finished = []
+    for slot in np.flatnonzero(done):
+      handle = self.occupant.pop(int(slot), None)
+      if handle is not None:
+        finished.append((handle, [(tokens[slot, j], float(scores[slot, j])) for j in range(tokens.shape[1])]))
+        self.free.append(int(slot))
+    self._admit()
+    return finished
+
+  def evict(self, handles) -> None:
+    """The sentences `handles` leave: waiting ones are dropped, those in slots end at once (slots freed)."""
+    handles = set(handles)
+    self.waiting = [entry for entry in self.waiting if entry[0] not in handles]
+    slots = [slot for slot, handle in self.occupant.items() if handle in handles]
+    if slots:
+      rows = np.full((self.shape.slots,), self.shape.slots, np.int32)
+      rows[:len(slots)] = slots
+      self.state = self.shape.programs.evict(self.state, rows)
+      for slot in slots:
+        del self.occupant[slot]
+        self.free.append(slot)
+    self._admit()
 
 
 def decoding_mesh(devices: int | None = None):
