@@ -13,6 +13,7 @@ multiples of 8). Shapes already seen reuse their compiled programs, kept for the
 """
 
 import collections
+import dataclasses
 import functools
 import warnings
 
@@ -87,6 +88,19 @@ def renamed_keywords(method):
         kwargs[new] = kwargs.pop(old)
     return method(*args, **kwargs)
   return taking_old_names
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one translation call decodes (Translator.plan): the strategy, and per piece (a sentence, or a piece of
+  a long one split at punctuation) its ids, the sentence it belongs to, its random key and what it brings."""
+  strategy: search.Strategy
+  sentences: int  # how many sentences the pieces come from
+  encoded: list  # [[id, ...], ...] per piece, no EOS ([] for an empty sentence)
+  owners: list  # per piece, its sentence's index
+  keys: np.ndarray | None  # [pieces, 2] uint32 (search.sentence_keys), for a strategy that draws
+  prefixes: list | None  # per piece, the ids its output begins with
+  constraints: list | None  # per piece, its phrases' ids
 
 
 def _words(processor, ids: list[int]) -> list[int]:
@@ -239,7 +253,21 @@ class Translator:
     order or, with the setting constraint_order='ordered', in theirs; an output cut at the length limit may lack
     them.
     """
+    planned = self.plan(sentences, beam_size=beam_size, length_penalty_alpha=length_penalty_alpha,
+                        split_long=split_long, encoded=encoded, numbers=numbers, prefixes=prefixes,
+                        constraints=constraints)
+    hypotheses = self.decode(planned, progress, should_stop)
+    return None if hypotheses is None else self.joined(planned, hypotheses)
+
+  def plan(self, sentences: list[str], *, decoding: DecodeSettings | None = None, beam_size: int | None = None,
+           length_penalty_alpha: float | None = None, num_results: int | None = None, split_long: bool = False,
+           encoded: list[list[int]] | None = None, numbers: list[int] | None = None,
+           prefixes: list[str] | None = None, constraints: list[list[str]] | None = None) -> 'Plan':
+    """What translating `sentences` decodes (arguments as `translate`'s; `decoding`: settings instead of this
+    translator's, `num_results`: the k best or k samples), every argument checked: a one-line UserError.
+    `decode` runs it here; a server runs it with other requests'."""
     sentences = texts(sentences)
+    decoding = (decoding or self.decoding).replace(beam_size=beam_size, length_penalty_alpha=length_penalty_alpha)
     encoded = self.encode(sentences) if encoded is None else encoded
     numbers = list(range(len(sentences))) if numbers is None else list(numbers)
     forced = self.encode_prefixes(prefixes, encoded)
@@ -263,12 +291,29 @@ class Translator:
         piece_prefixes += [prefix] + [[]] * (len(split) - 1) if split else [prefix]  # the first piece's
       phrases = [phrases[i] for i in owners] if phrases else None
       encoded, numbers, forced = pieces, piece_numbers, piece_prefixes
-    hypotheses = self._decode(encoded, beam_size, length_penalty_alpha, None, progress, should_stop, numbers,
-                              forced, phrases)
-    if hypotheses is None:
-      return None
-    translations = [''] * len(sentences)
-    for owner, best in zip(owners, hypotheses):
+    strategy = search.strategy_for(decoding, num_results, prefixed=any(forced or ()),
+                                   constraint_shape=search.constraint_shape(phrases))
+    keys = search.sentence_keys(decoding.sampling_seed, numbers) if strategy.random else None
+    return Plan(strategy, len(sentences), encoded, owners, keys, forced, phrases)
+
+  def decode(self, planned: 'Plan', progress=None, should_stop=None) -> list | None:
+    """Each piece's [(text, score), ...] (planned.strategy.kept of them; [] for an empty one), decoded by the
+    engine here; None when `should_stop` stopped it."""
+    decoder = engine.Engine(self.model, self.params, planned.strategy, slots=self.decoding.decode_slots,
+                            mesh=self.mesh, max_extra_length=self.max_extra_length, max_positions=self.max_positions)
+    results = decoder.run(planned.encoded, progress, should_stop, planned.keys, planned.prefixes, planned.constraints)
+    self.decoding_counts.update(decoder.counts)
+    return None if results is None else [self.texts(found) for found in results]
+
+  def texts(self, found: list) -> list[tuple[str, float]]:
+    """An engine's results for one piece [(token ids, score), ...] as [(text, score), ...]."""
+    return [(tokenizer.decode_ids(self.processor, tokens), score) for tokens, score in found]
+
+  @staticmethod
+  def joined(planned: 'Plan', hypotheses: list) -> list[str]:
+    """Each sentence's translation from its pieces' hypotheses (decode's): their best texts joined."""
+    translations = [''] * planned.sentences
+    for owner, best in zip(planned.owners, hypotheses):
       translations[owner] = f'{translations[owner]} {best[0][0]}'.strip() if best else translations[owner]
     return translations
 
@@ -286,11 +331,9 @@ class Translator:
     beam = max(k, self.beam_size if beam_size is None else beam_size)
     if self.decoding.strategy != 'beam':
       beam = self.beam_size
-    encoded = self.encode(texts(sentences))
-    results = self._decode(encoded, beam, length_penalty_alpha, k, numbers=numbers,
-                           prefixes=self.encode_prefixes(prefixes, encoded),
-                           constraints=self.encode_constraints(constraints, encoded))
-    return [[(text, score) for text, score in best] for best in results]
+    planned = self.plan(sentences, beam_size=beam, length_penalty_alpha=length_penalty_alpha, num_results=k,
+                        numbers=numbers, prefixes=prefixes, constraints=constraints)
+    return self.decode(planned)
 
   def score(self, sources: list[str], targets: list[str]) -> list[float]:
     """log p(target | source) of each pair under the model, teacher-forced (natural log, summed over the
@@ -379,25 +422,6 @@ class Translator:
                         f'fewer or shorter phrases, or a larger max_extra_length')
       phrases.append(ids)
     return phrases
-
-  def _decode(self, encoded, beam_size, length_penalty_alpha, num_results, progress=None, should_stop=None,
-              numbers=None, prefixes=None, constraints=None):
-    """[(text, score), ...] per sentence: the best (num_results None) or the `num_results` best (or samples);
-    `numbers`: the sentences' numbers, for their random keys (default 0, 1, ...)."""
-    beam_size = self.beam_size if beam_size is None else beam_size
-    alpha = self.length_penalty_alpha if length_penalty_alpha is None else length_penalty_alpha
-    decoding = self.decoding.replace(beam_size=beam_size, length_penalty_alpha=alpha)  # checked as settings are
-    strategy = search.strategy_for(decoding, num_results, prefixed=any(prefixes or ()),
-                                   constraint_shape=search.constraint_shape(constraints))
-    keys = search.sentence_keys(decoding.sampling_seed, range(len(encoded)) if numbers is None else numbers) \
-        if strategy.random else None
-    decoder = engine.Engine(self.model, self.params, strategy, slots=self.decoding.decode_slots, mesh=self.mesh,
-                            max_extra_length=self.max_extra_length, max_positions=self.max_positions)
-    results = decoder.run(encoded, progress, should_stop, keys, prefixes, constraints)
-    self.decoding_counts.update(decoder.counts)
-    if results is None:
-      return None
-    return [[(tokenizer.decode_ids(self.processor, tokens), score) for tokens, score in best] for best in results]
 
   def _teacher_forced(self, sources, targets, with_attention, layer=-1):
     """(scores per pair, [(source ids, target ids, attention [t, s]) per pair] or None)."""
