@@ -228,7 +228,10 @@ class Engine:
     """The slots, lengths and programs a translation of `encoded` runs with."""
     longest = min(max(map(len, encoded)), self.max_positions - 1) + 1  # with EOS
     slots = slot_count(sum(1 for ids in encoded if ids), self.slots, self.mesh.size if self.mesh else 1)
-    source_length = self.padded(longest)
+    return self.sized(slots, self.padded(longest))
+
+  def sized(self, slots: int, source_length: int) -> 'Shape':
+    """The Shape of `slots` slots (a multiple of the mesh's devices) for sources padded to `source_length`."""
     length = decode_length(source_length, self.max_extra_length, self.max_positions)
     return Shape(slots, source_length, length, self.admit_rows or max(1, slots // 8),
                  programs(self.model, self.strategy, slots, source_length, length, self.max_extra_length, self.mesh))

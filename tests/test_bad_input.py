@@ -24,12 +24,13 @@ from collections.abc import Callable
 import pytest
 
 from flax_transformer import checkpointing, corpora, storage
-from flax_transformer.commands import average, export, train, translate
+from flax_transformer.commands import average, export, serve, train, translate
 from flax_transformer.errors import ArgumentError
 from tests.conftest import TRAINED_FLAGS, TRAINED_STEPS, free_port, subprocess_env, train_command
 from tests.helpers import gcs_emulator
 
-PROGRAMS = {'translate': translate.main, 'train': train.main, 'average': average.main, 'export': export.main}
+PROGRAMS = {'translate': translate.main, 'train': train.main, 'average': average.main, 'export': export.main,
+            'serve': serve.main}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,6 +299,12 @@ CASES = [
          'error: the constraints of sentence 0 have 360 tokens and its output at most 20 (its source\'s tokens + EOS '
          '+ max_extra_length 10), EOS included; give fewer or shorter phrases, or a larger max_extra_length',
          prepare=_write('{T}/long.txt', b'["' + b'RED ' * 120 + b'"]\n\n\n')),
+    Case('serve_max_waiting_zero', ('serve', '--workdir={W}', '--max_waiting=0'), 1,
+         'error: --max_waiting=0 must be 1 or more'),
+    Case('serve_top_p_above_one', ('serve', '--workdir={W}', '--strategy=sampling', '--top_p=1.5'), 1,
+         'error: --top_p=1.5: must be in (0, 1] (1: every token)'),
+    Case('serve_port_outside', ('serve', '--workdir={W}', '--port=70000'), 1,
+         'error: --port=70000 is not a port; give 1 to 65535 (0: any free one)'),
     Case('translate_decode_slots_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--decode_slots=0'), 1,
          'error: --decode_slots=0: must be a positive integer'),
     Case('translate_alpha_negative_named_as_typed', ('translate', '--workdir={W}', '--input={T}/in.txt',

@@ -28,7 +28,44 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up 
 
 def define(flag_values, argv) -> None:
   from absl import flags
-  from flax_transformer import decoding_settings
+  from flax_transformer import commands, decoding_settings
+  define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
+      name, default, help_string, flag_values=flag_values, **kw)
+  define_model(flag_values)
+  define('string', 'input', '-', 'Source text file (plain or .gz), or - for stdin, read line by line.')
+  define('string', 'output', '-', 'Where to write the output lines, or - for stdout.')
+  define('string', 'reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
+         'targets to score.')
+  define('string', 'prefix_file', None, 'Text each translation must begin with, one line per input line (empty: '
+         'none; plain or .gz): forced, scored, and written as the output\'s start.')
+  define('string', 'constraints_file', None, 'Phrases each translation must contain, one JSON list of phrases per '
+         'input line (e.g. ["Hund", "roten Ball"]; an empty line or [] for none; plain or .gz): lexical constraints, '
+         'met by beam search (Hu et al., 2019, dynamic beam allocation).')
+  define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
+  define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
+  define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
+         'layer\'s cross-attention).')
+  define('float', 'stream_wait', 0.05, 'With --input=-: seconds to wait for more lines before translating those '
+         'that have arrived.')
+  flags.DEFINE_enum('bleu_tokenize', None, list(decoding_settings.BLEU_TOKENIZERS), 'sacreBLEU tokenizer (default: '
+                    'the config\'s bleu_tokenize): 13a for detokenized text, none for pre-tokenized references.',
+                    flag_values=flag_values)
+  define('bool', 'lowercase', False, 'Case-insensitive BLEU.')
+  define('integer', 'part_lines', 10_000, 'With --input and --output files: input lines translated per committed '
+         'part (written to OUTPUT.parts/); the same command started again after a stop goes on after the last '
+         'part; the output appears, whole, when every part is done. 0: one part.')
+  define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
+         'punctuation, instead of cutting them (a warning counts them either way).')
+  define('integer', 'storage_timeout_seconds', 300, 'A read of the input, reference, prefixes or constraints, or a '
+         'write of a part or the output, still unfinished after this stops the program (a storage server that '
+         'stopped answering).')
+  commands.define_cluster(flag_values)
+
+
+def define_model(flag_values) -> None:
+  """The flags that choose the model and its decoding defaults: translate.py's and the server's."""
+  from absl import flags
+  from flax_transformer import commands, decoding_settings
   define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
       name, default, help_string, flag_values=flag_values, **kw)
   define('string', 'workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/); several '
@@ -36,10 +73,6 @@ def define(flag_values, argv) -> None:
   define('string', 'checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
   define('integer', 'step', None, 'Use this checkpoint step alone.')
   define('integer', 'average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
-  define('string', 'input', '-', 'Source text file (plain or .gz), or - for stdin, read line by line.')
-  define('string', 'output', '-', 'Where to write the output lines, or - for stdout.')
-  define('string', 'reference', None, 'Reference translations (plain or .gz): print sacreBLEU; with --score, the '
-         'targets to score.')
   flags.DEFINE_enum('strategy', None, list(decoding_settings.STRATEGIES), 'How each output is chosen (default: the '
                     'config\'s strategy): beam (§6.1), greedy, or sampling (--temperature, --top_k, --top_p, '
                     '--num_samples, --seed).', flag_values=flag_values)
@@ -65,35 +98,10 @@ def define(flag_values, argv) -> None:
          'config\'s).')
   for alias, name in ALIASES.items():
     flags.DEFINE_alias(alias, name, flag_values=flag_values)
-  define('string', 'prefix_file', None, 'Text each translation must begin with, one line per input line (empty: '
-         'none; plain or .gz): forced, scored, and written as the output\'s start.')
-  define('string', 'constraints_file', None, 'Phrases each translation must contain, one JSON list of phrases per '
-         'input line (e.g. ["Hund", "roten Ball"]; an empty line or [] for none; plain or .gz): lexical constraints, '
-         'met by beam search (Hu et al., 2019, dynamic beam allocation).')
   flags.DEFINE_enum('constraint_order', None, list(decoding_settings.CONSTRAINT_ORDERS), 'With --constraints_file: '
                     'unordered (each phrase anywhere) or ordered (in the order given) (default: the config\'s).',
                     flag_values=flag_values)
-  define('integer', 'n_best', 0, 'Write the K best translations of each line with their scores, as JSON lines.')
-  define('bool', 'score', False, 'Write the model\'s log-probability of each --reference line given its input line.')
-  define('bool', 'alignment', False, 'Append the word alignment (Pharaoh i-j, from the penultimate decoder '
-         'layer\'s cross-attention).')
-  define('float', 'stream_wait', 0.05, 'With --input=-: seconds to wait for more lines before translating those '
-         'that have arrived.')
-  flags.DEFINE_enum('bleu_tokenize', None, list(decoding_settings.BLEU_TOKENIZERS), 'sacreBLEU tokenizer (default: '
-                    'the config\'s bleu_tokenize): 13a for detokenized text, none for pre-tokenized references.',
-                    flag_values=flag_values)
-  define('bool', 'lowercase', False, 'Case-insensitive BLEU.')
-  define('integer', 'part_lines', 10_000, 'With --input and --output files: input lines translated per committed '
-         'part (written to OUTPUT.parts/); the same command started again after a stop goes on after the last '
-         'part; the output appears, whole, when every part is done. 0: one part.')
-  define('bool', 'split_long', False, 'Translate lines longer than the model takes in pieces split at sentence '
-         'punctuation, instead of cutting them (a warning counts them either way).')
-  define('integer', 'storage_timeout_seconds', 300, 'A read of the input, reference, prefixes or constraints, or a '
-         'write of a part or the output, still unfinished after this stops the program (a storage server that '
-         'stopped answering).')
-  from flax_transformer import commands
   commands.define_weights(flag_values)
-  commands.define_cluster(flag_values)
 
 
 STREAM_LINES = 256  # the most stdin lines translated together
