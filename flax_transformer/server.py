@@ -327,10 +327,18 @@ async def _awaited(request: fastapi.Request, scheduler: serving.Scheduler, queue
 
 
 def _warm_up(translator, scheduler: serving.Scheduler) -> None:
-  """Compiles the default strategy's programs for the shortest sources by translating through the scheduler."""
-  for words in (3, 12):
-    planned = translator.plan([' '.join(['a'] * words)])
-    scheduler.submit(planned).future.result()
+  """Compiles the default strategy's programs for the two shortest source lengths (most sentences), for every
+  number of sentences arriving together at the shortest (powers of two) and for one and many at the next, by
+  translating through the scheduler."""
+  slots, counts = translator.decoding.decode_slots, [1]
+  while counts[-1] < slots:
+    counts.append(min(max(8, counts[-1] * 2), slots))
+  for length, sizes in ((serving.SMALLEST_SOURCE, counts), (2 * serving.SMALLEST_SOURCE, (1, slots))):
+    sentence = ' '.join(['a'] * (length // 2 + 2))
+    for count in sizes:
+      pieces = translator.encode([sentence])[0][:length - 1]
+      planned = translator.plan([sentence] * count, encoded=[pieces] * count)
+      scheduler.submit(planned).future.result()
 
 
 PAGE = importlib.resources.files('flax_transformer').joinpath('page.html').read_text(encoding='utf-8')

@@ -5,11 +5,13 @@
     hypotheses = request.future.result()      # per piece [(text, score), ...], as Translator.decode gives them
 
 Each request is a Translator.plan. Its pieces (sentences, or pieces of long ones) wait in the queue of their
-strategy and source length (rounded up to a power of two from 16: a few shapes), then join that queue's running
-batch (engine.Running) as its slots free up, taken from the waiting requests in turn, one piece each, so a
-large request does not hold a small one behind it and every step decodes the sentences of many requests. The
-thread steps each busy batch at most `step_budget` steps at a time (or until a slot frees) and admits what
-arrived in between, so a new request waits a few steps, not a whole batch. The queue is bounded in pieces:
+strategy, then join a running batch (engine.Running) of that strategy as its slots free up: the batch of the
+shortest source length that holds them and has a free slot, else their own (source lengths rounded up to a
+power of two from 32: a few shapes, and short sentences fill the slots of a batch of longer ones rather than
+starting another). Pieces are taken from the waiting requests in turn, one each, so a large request does not
+hold a small one behind it and every step decodes the sentences of many requests. The thread steps each busy
+batch until an eighth of its slots are done or `step_budget` steps have run, and admits what arrived in
+between, so a new request waits a few steps, not a whole batch. The queue is bounded in pieces:
 `submit` refuses a request that would overflow it (QueueFull) instead of letting it grow without end.
 `cancel` (a client gone, a deadline passed) drops a request's waiting pieces and frees its slots at once.
 """
@@ -24,7 +26,7 @@ import numpy as np
 
 from flax_transformer import engine
 
-SMALLEST_SOURCE = 16  # source lengths are rounded up to a power of two from this
+SMALLEST_SOURCE = 32  # source lengths are rounded up to a power of two from this
 
 
 class QueueFull(Exception):
@@ -51,11 +53,11 @@ class Scheduler:
   """The engine's thread and its queues (see the module docstring). `max_waiting`: the most pieces waiting for a
   slot; `step_budget`: the most steps a batch runs before the thread looks for new arrivals."""
 
-  def __init__(self, translator, *, max_waiting: int = 4096, step_budget: int = 16):
+  def __init__(self, translator, *, max_waiting: int = 4096, step_budget: int = 32):
     self.translator, self.max_waiting, self.step_budget = translator, max_waiting, step_budget
     self.engines = {}  # strategy -> engine.Engine
     self.batches = {}  # (strategy, source length) -> engine.Running
-    self.queues = {}  # (strategy, source length) -> {request: deque of piece indices}, requests in arrival order
+    self.queues = {}  # strategy -> {request: deque of piece indices}, requests in arrival order
     self.arrivals, self.cancelled = collections.deque(), collections.deque()
     self.waiting = 0  # pieces not yet in a slot
     self.condition = threading.Condition()
@@ -135,10 +137,11 @@ class Scheduler:
         self._settle()
         for batch in list(self.batches.values()):
           if batch.occupied:
-            for (request, piece), found in batch.advance(1, self.step_budget):
+            want = min(batch.shape.admit_rows, len(batch.occupant))
+            for (request, piece), found in batch.advance(want, self.step_budget):
               self._finish(request, piece, found)
         for key, batch in list(self.batches.items()):  # an idle batch gives its memory back (remade when needed)
-          if not (batch.occupied or batch.waiting or self.queues.get(key)):
+          if not (batch.occupied or batch.waiting or self.queues.get(key[0])):
             del self.batches[key]
         self._settle()
         self.counts['steps'] = sum(e.counts['steps'] for e in self.engines.values())
@@ -167,11 +170,8 @@ class Scheduler:
     return min(length, self.translator.max_positions)
 
   def _queue(self, request: Request) -> None:
-    strategy = request.plan.strategy
-    for piece, ids in enumerate(request.plan.encoded):
-      if ids:
-        key = (strategy, self.source_length(ids))
-        self.queues.setdefault(key, {}).setdefault(request, collections.deque()).append(piece)
+    pieces = collections.deque(piece for piece, ids in enumerate(request.plan.encoded) if ids)
+    self.queues.setdefault(request.plan.strategy, {})[request] = pieces
 
   def _drop(self, request: Request) -> None:
     for queue in self.queues.values():
@@ -192,30 +192,43 @@ class Scheduler:
                       + sum(len(b.waiting) for b in self.batches.values()))
 
   def _fill(self) -> None:
-    """Each queue's batch takes waiting pieces into its free slots, one from each request in turn."""
-    for key, queue in self.queues.items():
+    """Waiting pieces into free slots: a piece from each request in turn, each into the batch of the shortest
+    source length that holds it and has a free slot (its own length's, made if there is none)."""
+    for strategy, queue in self.queues.items():
       if not queue:
         continue
-      strategy, source_length = key
       decoder = self._engine(strategy)
-      if key not in self.batches:
-        slots = engine.slot_count(decoder.slots, decoder.slots, decoder.mesh.size if decoder.mesh else 1)
-        self.batches[key] = engine.Running(decoder, decoder.sized(slots, source_length))
-      batch = self.batches[key]
-      if batch.waiting or not batch.free:
-        continue
-      taken = []
-      while queue and len(taken) < len(batch.free):
+      room = {key[1]: len(b.free) for key, b in self.batches.items() if key[0] == strategy and not b.waiting}
+      taken = collections.defaultdict(list)  # source length -> [(request, piece), ...]
+      moved = True
+      while queue and moved:
+        moved = False
         for request in list(queue):
           pieces = queue[request]
-          taken.append((request, pieces.popleft()))
+          need = self.source_length(request.plan.encoded[pieces[0]])
+          fits = [length for length, free in room.items() if length >= need and free > 0]
+          if not fits and need not in room and (strategy, need) not in self.batches:
+            room[need] = self._batch(decoder, strategy, need)
+            fits = [need]
+          if not fits:
+            continue
+          length = min(fits)
+          taken[length].append((request, pieces.popleft()))
+          room[length] -= 1
+          moved = True
           if not pieces:
             del queue[request]
-          if len(taken) == len(batch.free):
-            break
-      sources = [decoder.source(r.plan.encoded[p]) for r, p in taken]
-      batch.join(taken, sources, self._brought(decoder, batch.shape, taken),
-                 rows=engine.slot_count(len(taken), batch.shape.slots))  # a power of two from 8: a few shapes
+      for length, chosen in taken.items():
+        batch = self.batches[(strategy, length)]
+        sources = [decoder.source(r.plan.encoded[p]) for r, p in chosen]
+        rows = engine.slot_count(len(chosen), batch.shape.slots)  # encoded at once: a power of two from 8
+        batch.join(chosen, sources, self._brought(decoder, batch.shape, chosen), rows=rows)
+
+  def _batch(self, decoder: engine.Engine, strategy, source_length: int) -> int:
+    """A new running batch of `strategy` for sources up to `source_length`; returns its slots."""
+    slots = engine.slot_count(decoder.slots, decoder.slots, decoder.mesh.size if decoder.mesh else 1)
+    self.batches[(strategy, source_length)] = engine.Running(decoder, decoder.sized(slots, source_length))
+    return slots
 
   @staticmethod
   def _brought(decoder: engine.Engine, shape, taken: list) -> dict:
