@@ -47,7 +47,7 @@ def peak_memory_gb(jax) -> float | None:
 
 def planned(name: str, dtype: str, tokens: int, peak_tflops: float) -> dict:
   """The capacity plan of the measured step (same config, batch and one device), compiled on the CPU."""
-  command = [sys.executable, '-m', 'flax_transformer.plan', f'--config={CONFIGS[name]}', '--devices=1',
+  command = [sys.executable, '-m', 'flax_transformer', 'plan', f'--config={CONFIGS[name]}', '--devices=1',
              '--mesh=(1,1,1)', f'--config.model.dtype={dtype}', f'--config.max_train_length={SENTENCE_LENGTH}',
              f'--config.tokens_per_batch={tokens}', f'--peak_tflops={peak_tflops}', f'--mfu={PLANNED_MFU}']
   result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -2,7 +2,7 @@
 # The accelerator tests (pytest -m accelerator), then one prepared GPU benchmark (under 8 minutes on one
 # H100/H200-class chip):
 # base and big train steps in float32 and bfloat16 as a fraction of the bf16 matmul peak measured in the
-# same run, beside the capacity plan's prediction for the same step (python -m flax_transformer.plan,
+# same run, beside the capacity plan's prediction for the same step (python -m flax_transformer plan,
 # compiled on the CPU), and beam-4 decoding on newstest-like lengths. Tables go to stdout; the last line is JSON.
 #   bash bench/gpu.sh            (on the GPU machine, from the repository root)
 #   bash bench/gpu.sh --smoke    (tiny sizes: checks the script on a CPU)

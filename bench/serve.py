@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 def start_server(workdir: str, port: int) -> subprocess.Popen:
-  process = subprocess.Popen([sys.executable, '-m', 'flax_transformer.commands.serve', f'--workdir={workdir}',
+  process = subprocess.Popen([sys.executable, '-m', 'flax_transformer', 'serve', f'--workdir={workdir}',
                               f'--port={port}'], stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 600
   while time.monotonic() < deadline:

@@ -1,15 +1,11 @@
 """§6.1 checkpoint averaging into a workdir: the mean parameters of a run's last K checkpoints (or its K best by
 validation metric, or their moving averages), laid out as a workdir translate.py reads directly: its
 config.json (with average_last=1), its vocabulary, and checkpoints/<last step>/params. The checkpoints are
-chosen and read by `weights.chosen_params`. The program: python -m flax_transformer.average
+chosen and read by `weights.chosen_params`. The program: python -m flax_transformer average
 (commands/average.py).
 """
 
-if __name__ == '__main__':  # python -m flax_transformer.average: the program, before anything imports TensorFlow
-  from flax_transformer.commands.average import console
-  console()
-
-from flax_transformer import checkpointing, storage, tokenizer, weights, workdirs  # noqa: E402
+from flax_transformer import checkpointing, storage, tokenizer, weights, workdirs
 
 
 def write_averaged_workdir(workdir: str, output: str, count: int | None = None, overwrite: bool = False,
@@ -33,3 +29,8 @@ def write_averaged_workdir(workdir: str, output: str, count: int | None = None, 
     weights.save_params(checkpointing.checkpoint_dir(staging), chosen[-1], params, averaged_steps=chosen)
     workdirs.copy_config(workdir, staging, average_last=1)  # the output holds one checkpoint: the average
   return chosen
+
+
+if __name__ == '__main__':  # the program is python -m flax_transformer average
+  from flax_transformer.__main__ import moved
+  moved('average', 'average')

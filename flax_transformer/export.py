@@ -1,4 +1,4 @@
-"""The model in CTranslate2's format, for serving: python -m flax_transformer.export --workdir=DIR --output=CT2DIR
+"""The model in CTranslate2's format, for serving: python -m flax_transformer export --workdir=DIR --output=CT2DIR
 
 Writes the parameters (averaged as translate.py would take them, or --step) through CTranslate2's own
 model specification (`ctranslate2.specs.TransformerSpec`), with the vocabulary, so that
@@ -14,18 +14,14 @@ other tokens' probabilities as they were, up to the negligible mass the model pu
 CTranslate2's length penalty divides by length^α rather than GNMT's ((5 + length) / 6)^α, so beam
 results can differ slightly; greedy search gives the same tokens. `--quantization=int8` (or int8_float32,
 int16, float16, ...) stores weights in that type. Needs the `serve` extra: pip install '.[serve]'.
-The program: python -m flax_transformer.export (commands/export.py).
+The program: python -m flax_transformer export (commands/export.py).
 """
 
-if __name__ == '__main__':  # python -m flax_transformer.export: the program, before anything imports TensorFlow
-  from flax_transformer.commands.export import console
-  console()
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from flax_transformer import storage  # noqa: E402
-from flax_transformer.attention import without_key_bias  # noqa: E402
-from flax_transformer.errors import UserError  # noqa: E402
+from flax_transformer import storage
+from flax_transformer.attention import without_key_bias
+from flax_transformer.errors import UserError
 
 POSITION_ROWS = 1024  # the shortest position table exported
 PAD_BIAS = -1e4  # keeps CTranslate2 from emitting <pad>, as our search never does
@@ -145,3 +141,8 @@ def export(workdir: str, output: str, quantization: str = 'float32', step: int |
   with storage.staged_directory(output) as staging:
     spec.save(str(staging))
   return list(translator.checkpoints)
+
+
+if __name__ == '__main__':  # the program is python -m flax_transformer export
+  from flax_transformer.__main__ import moved
+  moved('export', 'export')

@@ -22,23 +22,19 @@ The data state saved with a checkpoint is {step, seed, batching fingerprint, mul
 on any number of processes, and on a mesh of another data-parallel size that divides the saved batch sizes
 (the global batch is kept; each device's share changes).
 
-Inspect: python -m flax_transformer.input_pipeline --config=configs/multi30k.py (commands/inspect_batches.py)
+Inspect: python -m flax_transformer inspect --config=configs/multi30k.py (commands/inspect_batches.py)
 """
 
-if __name__ == '__main__':  # the inspection program, before anything imports TensorFlow
-  from flax_transformer.commands.inspect_batches import console
-  console()
+import collections
+import hashlib
+import time
 
-import collections  # noqa: E402
-import hashlib  # noqa: E402
-import time  # noqa: E402
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from flax_transformer import bucketing, cluster, token_cache  # noqa: E402
-from flax_transformer.parallel_text import DataError, DataSettings  # noqa: E402
-from flax_transformer.token_table import TokenTable  # noqa: E402
+from flax_transformer import bucketing, cluster, token_cache
+from flax_transformer.parallel_text import DataError, DataSettings
+from flax_transformer.token_table import TokenTable
 
 HASHES_KEPT = 100_000  # the last steps whose global-batch hashes the iterator remembers, for the metrics log
 
@@ -259,3 +255,8 @@ def inspect(data: DataSettings, vocab_path: str, workdir) -> dict:
           'dropped_too_long': batching.dropped,
           'table_tokens_per_second': round(table_tokens / table_seconds, 1),
           'tokens_per_second': round(sum(tokens) / seconds, 1)}
+
+
+if __name__ == '__main__':  # the program is python -m flax_transformer inspect
+  from flax_transformer.__main__ import moved
+  moved('input_pipeline', 'inspect')

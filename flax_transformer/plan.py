@@ -1,7 +1,7 @@
 """A capacity plan without the devices: compile the real train step ahead of time for N devices and say
 what each device holds, how many FLOPs a step is, and, given a peak and an MFU, how long training takes.
 
-  python -m flax_transformer.plan --config=configs/big.py --devices=8 --mesh='(1,8,1)' \
+  python -m flax_transformer plan --config=configs/big.py --devices=8 --mesh='(1,8,1)' \
       --peak_tflops=989 --mfu=0.4 --device_memory_gb=80
 
 The step is compiled by XLA:CPU over `--devices` fake CPU devices, for the config's longest batch shape
@@ -10,23 +10,19 @@ bytes follow exactly from the shardings; temporaries are XLA:CPU's buffer assign
 program (a GPU or TPU compiler fuses differently, so treat them as an estimate); FLOPs are XLA's
 cost_analysis() beside the analytic count (6 · parameters · tokens plus attention). Where the step does
 not fit `--device_memory_gb`, the plan compiles the mesh or accumulation that does and says so.
-The last line printed is one JSON object. The program: python -m flax_transformer.plan (commands/plan.py).
+The last line printed is one JSON object. The program: python -m flax_transformer plan (commands/plan.py).
 """
 
-if __name__ == '__main__':  # python -m flax_transformer.plan: the program, which sets the device count before JAX starts
-  from flax_transformer.commands.plan import console
-  console()
+import dataclasses
+import math
 
-import dataclasses  # noqa: E402
-import math  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from flax_transformer import partitioning, steps, train_state  # noqa: E402
-from flax_transformer.errors import ConfigError  # noqa: E402
-from flax_transformer.model import TransformerConfig  # noqa: E402
-from flax_transformer.settings import Settings  # noqa: E402
+from flax_transformer import partitioning, steps, train_state
+from flax_transformer.errors import ConfigError
+from flax_transformer.model import TransformerConfig
+from flax_transformer.settings import Settings
 
 GIB = 2**30
 
@@ -168,7 +164,7 @@ def plan(s: Settings, devices: int, mesh_shape: tuple[int, int, int], peak_tflop
   s = compiled_here(s)
   if len(jax.devices()) != devices:
     raise ConfigError(f'--devices={devices} but JAX has {len(jax.devices())} devices; run plan as a module '
-                      f'(python -m flax_transformer.plan) so it can create them')
+                      f'(python -m flax_transformer plan) so it can create them')
   mesh_shape = resolve_mesh(mesh_shape)
   figures = compile_step(s, mesh_shape)
 
@@ -191,3 +187,8 @@ def plan(s: Settings, devices: int, mesh_shape: tuple[int, int, int], peak_tflop
         figures['fix'] = {'flags': description, 'total_bytes_per_device': total_bytes(candidate)}
         break
   return figures
+
+
+if __name__ == '__main__':  # the program is python -m flax_transformer plan
+  from flax_transformer.__main__ import moved
+  moved('plan', 'plan')

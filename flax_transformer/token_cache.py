@@ -2,7 +2,7 @@
 
 Tokenising WMT14's 4.5M pairs takes minutes; a run does it once, and every later start, resume or run on the
 same data and vocabulary reads the ids instead (as fairseq-preprocess, sockeye-prepare-data and levanter's
-cache do). `python -m flax_transformer.prepare` builds it ahead of a run, on a CPU machine.
+cache do). `python -m flax_transformer prepare` builds it ahead of a run, on a CPU machine.
 
 A cache lives at config.token_cache (default WORKDIR/token_cache), one folder per fingerprint of everything
 that determines it — the data's identity (files' paths, sizes and modification times, or the tfds name,
@@ -202,7 +202,7 @@ def load(directory) -> TokenTable:
   manifest = _read_manifest(directory)
   if manifest is None:
     raise DataError(f'the token cache {directory} is not complete (no {MANIFEST}); build it with '
-                    f'python -m flax_transformer.prepare or start the run')
+                    f'python -m flax_transformer prepare or start the run')
   table, damaged = _read(directory, manifest)
   if damaged:
     raise DataError(f'blocks {damaged[:5]} of the token cache {directory} are damaged; start the run again '

@@ -1,4 +1,4 @@
-"""The averaged workdir (python -m flax_transformer.average): the mean of the chosen checkpoints' weights, or of
+"""The averaged workdir (python -m flax_transformer average): the mean of the chosen checkpoints' weights, or of
 their moving averages, laid out as a workdir the Translator reads."""
 
 import flax.linen as nn

@@ -416,7 +416,7 @@ def _snapshot(paths: list[str]) -> dict:
 
 @pytest.fixture(scope='module')
 def averaged(trained_run, tmp_path_factory):
-  """The trained run's average (python -m flax_transformer.average), shared by the cases that only read it."""
+  """The trained run's average (python -m flax_transformer average), shared by the cases that only read it."""
   output = str(tmp_path_factory.mktemp('averaged') / 'avg')
   assert average.main(['average', f'--workdir={trained_run[0]}', f'--output={output}']) == 0
   return output

@@ -1,4 +1,4 @@
-"""The plan program (commands/plan.py): python -m flax_transformer.plan on the tiny config, and its flags."""
+"""The plan program (commands/plan.py): python -m flax_transformer plan on the tiny config, and its flags."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ KEYS = ('param_bytes_per_device', 'optimizer_bytes_per_device', 'temp_bytes_per_
 
 def run_plan(*flags):
   env = subprocess_env(None)  # the plan creates its own fake devices
-  return subprocess.run([sys.executable, '-m', 'flax_transformer.plan', '--config=configs/tiny.py', *flags],
+  return subprocess.run([sys.executable, '-m', 'flax_transformer', 'plan', '--config=configs/tiny.py', *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""The export program (python -m flax_transformer.export): the same network in CTranslate2 (greedy tokens equal ours), int8, errors."""
+"""The export program (python -m flax_transformer export): the same network in CTranslate2 (greedy tokens equal ours), int8, errors."""
 
 import os
 
@@ -51,7 +51,7 @@ def workdir(request, tmp_path_factory):
 
 
 def _export(workdir, output, *flags):
-  """python -m flax_transformer.export with these flags, run in this process (tests/helpers/programs.py)."""
+  """python -m flax_transformer export with these flags, run in this process (tests/helpers/programs.py)."""
   return programs.run(export_command.main, ['export', f'--workdir={workdir}', f'--output={output}', *flags], text=True)
 
 

@@ -193,7 +193,7 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(trained_run, tmp_pat
   refuses new connections, and the process exits 0."""
   workdir = trained_run[0]
   port = free_port()
-  command = [sys.executable, '-m', 'flax_transformer.commands.serve', f'--workdir={workdir}', f'--port={port}',
+  command = [sys.executable, '-m', 'flax_transformer', 'serve', f'--workdir={workdir}', f'--port={port}',
              '--decode_slots=8']
   with __import__('socket').socket() as taken:
     taken.bind(('127.0.0.1', port))

@@ -1,7 +1,8 @@
-"""The command-line programs, one module each: train, translate, average, export, plan, inspect_batches.
+"""The command-line programs, one module each: train, translate, serve, average, export, plan, inspect_batches,
+prepare.
 
-Installed as flax-transformer-train, -translate, -average, -export, -plan and -inspect; also run as train.py,
-translate.py and `python -m flax_transformer.<program>`. Every program goes through `run_program`: its own flags
+Installed as flax-transformer-train, -translate, -serve, -average, -export, -plan, -inspect and -prepare; also
+run as `python -m flax_transformer PROGRAM` (flax_transformer/__main__.py), train.py and translate.py. Every program goes through `run_program`: its own flags
 parsed from its own argv (so a program can be called in-process, as the tests do), and every way it can end
 turned into one exit status:
 

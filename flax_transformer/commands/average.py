@@ -1,4 +1,4 @@
-"""§6.1 checkpoint averaging: python -m flax_transformer.average --workdir=DIR --output=OUT [--last=K | --best=K]
+"""§6.1 checkpoint averaging: python -m flax_transformer average --workdir=DIR --output=OUT [--last=K | --best=K]
 
 Averages the parameters of the last K checkpoints of a run (default: the run's config.average_last), or of its
 K best by validation metric (--best=K; a run with config.keep_best), or their moving averages (--weights=ema), into

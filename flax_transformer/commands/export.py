@@ -1,4 +1,4 @@
-"""The model in CTranslate2's format: python -m flax_transformer.export --workdir=DIR --output=CT2DIR
+"""The model in CTranslate2's format: python -m flax_transformer export --workdir=DIR --output=CT2DIR
 
 Writes the parameters (averaged as translate.py would take them, or --step, --checkpoint=best; the trained
 weights or, with --weights=ema, their moving average) through CTranslate2's own model

@@ -1,4 +1,4 @@
-"""The training batches of a config, inspected: python -m flax_transformer.input_pipeline --config=configs/multi30k.py
+"""The training batches of a config, inspected: python -m flax_transformer inspect --config=configs/multi30k.py
 
 One epoch of length-bucketed batches on one process: counts, shapes, tokens per batch, padding, and the
 table-build and batch-serving throughput, printed as one JSON line. The vocabulary is trained into --workdir

@@ -1,4 +1,4 @@
-"""A capacity plan without the devices: python -m flax_transformer.plan --config=configs/big.py --devices=8 \\
+"""A capacity plan without the devices: python -m flax_transformer plan --config=configs/big.py --devices=8 \\
     [--mesh='(1,8,1)'] [--peak_tflops=989 --mfu=0.4] [--device_memory_gb=80] [--target=gpu]
 
 Compiles the real train step for --devices fake CPU devices on the config's mesh (or --mesh) and prints what
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
 
 
 def console():
-  """`flax-transformer-plan` and python -m flax_transformer.plan."""
+  """`flax-transformer-plan` and python -m flax_transformer plan."""
   start_cpu_devices(sys.argv)
   import jax
   jax.config.update('jax_platforms', 'cpu')  # in case JAX was imported before the environment was set

@@ -1,4 +1,4 @@
-"""Prepare a run's data ahead of it: python -m flax_transformer.prepare --config=configs/base.py --workdir=DIR
+"""Prepare a run's data ahead of it: python -m flax_transformer prepare --config=configs/base.py --workdir=DIR
 
 Trains the vocabulary into --workdir (or reads config.vocab_path) and tokenises the training split into the
 token cache (WORKDIR/token_cache, or config.token_cache to share it between runs), on a CPU machine, as

@@ -5,7 +5,7 @@ ensemble as --workdir=A,B, the decoding defaults) on every local device, compile
 answers POST /translate, /score and /align, GET /health, /ready and /metrics, and a web page at /
 (flax_transformer/server.py). Binds to 127.0.0.1 unless --host says otherwise: put a reverse proxy with TLS and
 authentication in front of it before opening it to a network. SIGTERM (or Ctrl-C) drains: no new requests,
-those in flight are answered, then it exits 0. Also `python -m flax_transformer.commands.serve`.
+those in flight are answered, then it exits 0. Also `python -m flax_transformer serve`.
 """
 
 import os
