@@ -3,12 +3,14 @@
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
 from flax_transformer import commands
 from flax_transformer.errors import UserError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 from tests.helpers import programs
 
 
@@ -50,27 +52,47 @@ def test_help_prints_the_programs_doc_and_flags():
   assert '--name' in result.stdout and '--count' in result.stdout
 
 
+def test_python_dash_m_flax_transformer_hands_over_to_each_program():
+  """`python -m flax_transformer PROGRAM` runs commands/<module>.py's console for every installed command, and
+  imports nothing else first (the plan must set the device count before JAX starts)."""
+  from importlib.metadata import entry_points
+
+  from flax_transformer import __main__ as dispatcher
+  installed = {e.name.removeprefix('flax-transformer-'): e.value for e in entry_points(group='console_scripts')
+               if e.name.startswith('flax-transformer-')}
+  assert {name: f'flax_transformer.commands.{module}:console' for name, module in dispatcher.PROGRAMS.items()} == installed
+  tree = ast.parse(open(os.path.join(ROOT, 'flax_transformer', '__main__.py')).read())
+  assert {ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))} == {
+      'import importlib', 'import sys'}
+  result = subprocess.run([sys.executable, '-m', 'flax_transformer', 'nonsense'], capture_output=True, text=True,
+                          timeout=60)
+  assert result.returncode == 2 and result.stderr.startswith("error: 'nonsense' is not a program; usage: python -m "
+                                                             'flax_transformer {train,translate,serve,')
+
+
 @pytest.mark.parametrize('module,program', [('average', 'average'), ('export', 'export'), ('plan', 'plan'),
-                                            ('input_pipeline', 'inspect_batches'), ('prepare', 'prepare')])
-def test_python_dash_m_hands_over_to_the_program_before_anything_else_is_imported(module, program):
-  """`python -m flax_transformer.<module>` runs commands/<program>.py's console, from the first statement after
-  the docstring (the plan must set the device count before JAX starts)."""
+                                            ('input_pipeline', 'inspect')])
+def test_a_library_module_run_as_a_program_names_the_new_spelling(module, program):
+  """`python -m flax_transformer.<module>` (the old spelling) says the new one in one line: the module's last
+  statement, after everything it defines, so the module is loaded once and imports no program."""
   tree = ast.parse(open(os.path.join(ROOT, 'flax_transformer', f'{module}.py')).read())
-  first = tree.body[1]  # after the docstring
-  assert isinstance(first, ast.If) and ast.unparse(first.test) == "__name__ == '__main__'"
-  assert ast.unparse(first.body[0]) == f'from flax_transformer.commands.{program} import console'
-  assert ast.unparse(first.body[1]) == 'console()'
+  last = tree.body[-1]
+  assert isinstance(last, ast.If) and ast.unparse(last.test) == "__name__ == '__main__'"
+  assert [ast.unparse(node) for node in last.body] == ['from flax_transformer.__main__ import moved',
+                                                        f"moved('{module}', '{program}')"]
+  if module == 'average':
+    result = subprocess.run([sys.executable, '-m', 'flax_transformer.average', '--workdir=x'], capture_output=True,
+                            text=True, timeout=120, env=subprocess_env())
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        'error: python -m flax_transformer.average is now python -m flax_transformer average (or '
+        'flax-transformer-average); the same flags']
 
 
 def _imports(path: str) -> set[str]:
-  """The package modules `path` imports, wherever the import stands (TYPE_CHECKING and function bodies too),
-  except in its `if __name__ == '__main__':` hand-over."""
+  """The package modules `path` imports, wherever the import stands (TYPE_CHECKING, function bodies and
+`if __name__ == '__main__':` too)."""
   tree, found = ast.parse(open(path).read()), set()
-  skipped = {id(n) for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
-             for n in ast.walk(node)}
   for node in ast.walk(tree):
-    if id(node) in skipped:
-      continue
     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith('flax_transformer'):
       names = [node.module] if node.module != 'flax_transformer' else [f'flax_transformer.{a.name}' for a in node.names]
       found.update(n.removeprefix('flax_transformer.') for n in names)
@@ -92,7 +114,7 @@ def _package_graph() -> dict[str, set[str]]:
 
 def test_the_library_never_imports_the_programs_and_the_import_map_has_no_circle():
   graph = _package_graph()
-  library = {m: deps for m, deps in graph.items() if not m.startswith('commands')}
+  library = {m: deps for m, deps in graph.items() if not m.startswith('commands') and m != '__main__'}
   assert not {m: sorted(d for d in deps if d.startswith('commands')) for m, deps in library.items()
               if any(d.startswith('commands') for d in deps)}
   depth, visiting = {}, []

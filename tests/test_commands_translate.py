@@ -306,8 +306,8 @@ def test_installed_commands_are_the_scripts(tmp_path):
   from importlib.metadata import entry_points
   commands = {e.name: e.value for e in entry_points(group='console_scripts') if e.name.startswith('flax-transformer-')}
   assert commands == {f'flax-transformer-{name}': f'flax_transformer.commands.{module}:console' for name, module in (
-      ('train', 'train'), ('translate', 'translate'), ('average', 'average'), ('export', 'export'), ('plan', 'plan'),
-      ('inspect', 'inspect_batches'), ('prepare', 'prepare'))}
+      ('train', 'train'), ('translate', 'translate'), ('serve', 'serve'), ('average', 'average'), ('export', 'export'),
+      ('plan', 'plan'), ('inspect', 'inspect_batches'), ('prepare', 'prepare'))}
   for script, module in (('train.py', 'flax_transformer.commands.train'), ('translate.py', 'flax_transformer.commands.translate')):
     assert f'from {module} import console' in open(os.path.join(ROOT, script)).read()
   installed = shutil.which('flax-transformer-translate')
