@@ -1,4 +1,4 @@
-"""Orbax checkpoints: save/restore the train state, restore parameters alone onto any mesh, average.
+"""Orbax checkpoints: save/restore the train state, restore parameters alone onto any mesh (averaging is weights.py's).
 
 Layout of a workdir:
   checkpoints/<step>/   Orbax items, committed together (written to a temporary name, then renamed: a crash
@@ -263,20 +263,27 @@ def check_kind(step_directory, abstract_params, training_state: bool, workdir) -
                                   f'as it is: use the config it was trained with, or a new --workdir')
 
 
-def _attempt_restore(manager, step: int, state, state_shardings, with_data_state: bool):
-  """(outcome, state, data state) of restoring `step` on this process: outcome '' (restored), 'damaged: why'
-  (at once) or 'failed: why' (after RESTORE_ATTEMPTS tries)."""
+def read_retried(read) -> tuple:
+  """(read(), '') or (None, outcome): 'damaged: why' at once for a damaged file, 'failed: why' once RESTORE_ATTEMPTS
+  tries (1 s, 2 s, ... apart) have failed otherwise. A UserError is raised as it is."""
   for attempt in range(RESTORE_ATTEMPTS):
     try:
-      restored = restore_state(manager, step, state, state_shardings)
-      return '', restored, restore_data_state(manager, step) if with_data_state else None
+      return read(), ''
     except UserError:
       raise
     except Exception as error:  # whatever a damaged file raises: ValueError, KeyError, IndexError, OSError...
       outcome = ('damaged: ' if is_damage(error) else 'failed: ') + reason(error)
       if outcome.startswith('damaged') or attempt == RESTORE_ATTEMPTS - 1:
-        return outcome, None, None
+        return None, outcome
       time.sleep(2 ** attempt)
+
+
+def _attempt_restore(manager, step: int, state, state_shardings, with_data_state: bool):
+  """(outcome, state, data state) of restoring `step` on this process: outcome '' (restored), 'damaged: why'
+  (at once) or 'failed: why' (after RESTORE_ATTEMPTS tries)."""
+  restored, outcome = read_retried(lambda: (restore_state(manager, step, state, state_shardings),
+                                            restore_data_state(manager, step) if with_data_state else None))
+  return (outcome, None, None) if outcome else ('', *restored)
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_data_state: bool = True):

@@ -145,12 +145,6 @@ def parallel_lines(source_path: str, target_path: str):
     raise DataError(f'{source_path} is empty; a corpus needs at least one sentence pair')
 
 
-def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
-  """Both files whole, as lists of lines (for inspection and small files; training streams them)."""
-  pairs = [(s.decode('utf-8'), t.decode('utf-8')) for s, t in parallel_lines(source_path, target_path)]
-  return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
 def _split_paths(data: DataSettings, split: str) -> tuple[str, str]:
   """The split's (source, target) files; a missing one is a one-line error naming its config field."""
   paths = {f'{split}_{side}': getattr(data, f'{split}_{side}') for side in ('source', 'target')}

@@ -6,8 +6,9 @@ measured path on CPU and the standard library path on GPU and TPU:
                               (jax.random.bernoulli with config.dropout_rng_impl keys, 'rbg' by default);
   config.output_loss          'fused' (one hand-written gradient for projection + loss) | 'optax' (autodiff);
   config.beam_top_k           'two_stage' (block maxima first) | 'lax' (jax.lax.top_k).
-Attention always goes through `jax.nn.dot_product_attention`; `config.model.attention='auto'` asks it
-for cuDNN's fused kernel on GPUs in bf16 (where cuDNN takes the head size) and for XLA elsewhere.
+Attention goes through `jax.nn.dot_product_attention` ('xla', or 'cudnn': its fused kernel) unless
+`config.model.attention='explicit'` (attention.py's own softmax and products); 'auto' asks for cuDNN's kernel on
+GPUs in bf16 (where cuDNN takes the head size) and for XLA elsewhere.
 """
 
 import os

@@ -6,7 +6,6 @@ loop carries from then on (the train step donates it).
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -95,7 +94,7 @@ def _resume(restore_data_state: bool, workdir: str, state, state_shardings, mana
 def banner(s: Settings, mesh, num_params: int, num_batch_shapes: int, cluster_kind: str = 'single process') -> str:
   """What this run is on and what it will compile, printed before the first compilation."""
   devices = mesh.devices.flatten()
-  dp = math.prod(mesh.shape[a] for a in ('data', 'fsdp'))
+  dp = partitioning.data_parallel_size(mesh)
   lines = [
       f'platform: {s.platform} ({devices[0].device_kind}), {devices.size} devices '
       f'({jax.local_device_count()} on this process); process {jax.process_index()} of {jax.process_count()}',

@@ -34,7 +34,7 @@ def train_step(state, batch: dict, rng: jax.Array, *, model_config: TransformerC
   fused_output_loss: the pre-softmax projection and the loss share one hand-written gradient
   (losses.projected_loss_and_metrics); False differentiates the logits path with autodiff.
   ema_decay: the decay of the weights' moving average, which a state with `ema_params` updates after the step.
-  Returns (new state, metrics {'loss', 'nll', 'accuracy', 'tokens', 'grad_norm', 'learning_rate'}).
+  Returns (new state, metrics {'loss', 'nll', 'accuracy', 'tokens', 'grad_norm'}; the logging hook adds the learning rate).
   """
   model = Transformer(model_config)
   step_rng = jax.random.fold_in(rng, state.step)

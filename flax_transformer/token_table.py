@@ -50,9 +50,6 @@ class Side:
   values: np.ndarray  # [total tokens] uint16 (vocabularies up to 65,536) or int32
   lengths: np.ndarray  # [rows] int64
 
-  def select(self, keep: np.ndarray) -> 'Side':
-    return Side(self.values[np.repeat(keep, self.lengths)], self.lengths[keep])
-
   def starts(self) -> np.ndarray:
     """[rows] where each row begins in `values`."""
     return np.concatenate([[0], np.cumsum(self.lengths)])[:-1]

@@ -9,7 +9,6 @@ and left as it is: reading a run changes nothing in it).
 
 import json
 import sys
-import time
 
 import jax
 import numpy as np
@@ -54,21 +53,16 @@ def readable_params(directory: str, step: int, abstract_params, where: str, weig
   """restore_params; a damaged checkpoint is a CheckpointUnreadable naming the damage (and is left as it is:
   reading a run changes nothing in it); so is another model's (CheckpointOfAnotherKind). A read that fails for
   another reason (the storage, memory) is retried, then a CheckpointRestoreFailed."""
-  for attempt in range(checkpointing.RESTORE_ATTEMPTS):
-    try:
-      return restore_params(directory, step, abstract_params, weights=weights)
-    except UserError:
-      raise
-    except Exception as error:
-      if checkpointing.is_damage(error):
-        raise CheckpointUnreadable(f'checkpoint {step} in {where} is damaged ({checkpointing.reason(error)})') \
-            from None
-      if attempt == checkpointing.RESTORE_ATTEMPTS - 1:
-        raise checkpointing.CheckpointRestoreFailed(
-            f'checkpoint {step} in {where} could not be read ({checkpointing.reason(error)}) after '
-            f'{checkpointing.RESTORE_ATTEMPTS} attempts; rerun once the storage (or memory) problem is fixed') \
-            from None
-      time.sleep(2 ** attempt)
+  params, outcome = checkpointing.read_retried(lambda: restore_params(directory, step, abstract_params,
+                                                                      weights=weights))
+  kind, _, why = outcome.partition(': ')
+  if kind == 'damaged':
+    raise CheckpointUnreadable(f'checkpoint {step} in {where} is damaged ({why})')
+  if kind == 'failed':
+    raise checkpointing.CheckpointRestoreFailed(
+        f'checkpoint {step} in {where} could not be read ({why}) after {checkpointing.RESTORE_ATTEMPTS} attempts; '
+        f'rerun once the storage (or memory) problem is fixed')
+  return params
 
 
 def average_params(params_list):

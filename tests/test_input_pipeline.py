@@ -10,7 +10,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from flax_transformer import bucketing, input_pipeline, parallel_text, settings, token_cache, token_table, tokenizer
-from tests.helpers.corpus import write_corpus
+from tests.helpers.corpus import read_parallel_files, write_corpus
 
 
 def _table(config, vocab_path):
@@ -147,7 +147,7 @@ def test_every_process_layout_reads_its_rows_of_one_global_batch(files_config, t
   config.tokens_per_batch, config.gradient_accumulation_steps = 1024, 2
   paths, _, _ = write_corpus(str(tmp_path), 900, 3, 'long')
   config.train_source, config.train_target = paths
-  mock = tfds.testing.mock_data(as_dataset_fn=_wmt_from(*parallel_text.read_parallel_files(*paths)))
+  mock = tfds.testing.mock_data(as_dataset_fn=_wmt_from(*read_parallel_files(*paths)))
   if source == 'tfds':
     config.dataset = 'wmt14_translate/de-en'
     mock.__enter__()
@@ -171,7 +171,7 @@ def test_every_process_layout_reads_its_rows_of_one_global_batch(files_config, t
     assert batch['targets'].any(1).all()
   # The pairs of the split, as the text says them (an independent reading of the files).
   processor = tokenizer.load(path)
-  pairs = set(zip(*parallel_text.read_parallel_files(*paths)))
+  pairs = set(zip(*read_parallel_files(*paths)))
   assert all((tokenizer.decode_ids(processor, s), tokenizer.decode_ids(processor, t)) in pairs
              for s, t in zip(reference[0]['inputs'], reference[0]['targets']))
 

@@ -7,6 +7,7 @@ import pytest
 
 from configs import multi30k
 from flax_transformer import parallel_text, settings
+from tests.helpers.corpus import read_parallel_files
 
 
 def test_multi30k_files_by_path(tmp_path):
@@ -39,7 +40,7 @@ def test_bad_files_are_one_line_errors(tmp_path, case, message):
   else:
     other.write_bytes(b'ok\n\xff\xfe bad\nc\n')
   with pytest.raises(parallel_text.DataError) as error:
-    parallel_text.read_parallel_files(str(good), str(other))
+    read_parallel_files(str(good), str(other))
   assert message in str(error.value) and '\n' not in str(error.value)
 
 

@@ -22,3 +22,10 @@ def write_corpus(directory, n=300, seed=0, name='train'):
       f.write('\n'.join(lines) + '\n')
     paths.append(path)
   return paths, sources, targets
+
+
+def read_parallel_files(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
+  """Both files whole, as lists of lines (parallel_text.parallel_lines streams them)."""
+  from flax_transformer.parallel_text import parallel_lines
+  pairs = [(s.decode('utf-8'), t.decode('utf-8')) for s, t in parallel_lines(source_path, target_path)]
+  return [p[0] for p in pairs], [p[1] for p in pairs]
