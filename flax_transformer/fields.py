@@ -13,14 +13,21 @@ NEW = object()  # `before` of a field every saved config.json has
 
 def setting(doc: str, *, choices: tuple | None = None, minimum: float | None = None, greater: float | None = None,
             low: float | None = None, high: float | None = None, check=None, before=NEW, derived: bool = False,
-            default=dataclasses.MISSING):
+            read: bool = False, default=dataclasses.MISSING):
   """A settings field. `choices`: the values allowed. `minimum` (inclusive) or `greater` (exclusive): a bound;
   `low`, `high`: the half-open range [low, high). `check(value)`: raises a one-line ConfigError itself.
   `before`: the value of runs saved before the field existed. `derived`: made by settings.py from other
-  fields (not a config field of this name)."""
+  fields (not a config field of this name). `read`: the value names a file (or storage URL) a program reads,
+  which nothing the program writes may be, hold or sit inside (`files_read`)."""
   return dataclasses.field(default=default, metadata={
       'doc': doc, 'choices': choices, 'minimum': minimum, 'greater': greater, 'low': low, 'high': high,
-      'check': check, 'before': before, 'derived': derived})
+      'check': check, 'before': before, 'derived': derived, 'read': read})
+
+
+def files_read(*stages) -> dict[str, str]:
+  """{'config.NAME': path} of every field declared `read` of these settings objects, where a path is given."""
+  return {f'config.{field.name}': getattr(stage, field.name) for stage in stages
+          for field in dataclasses.fields(stage) if field.metadata.get('read') and getattr(stage, field.name)}
 
 
 def problem(field: dataclasses.Field, value) -> str | None:

@@ -15,7 +15,31 @@ import optax
 
 from flax_transformer.fields import setting
 
-LR_DECAYS = ('inverse_sqrt', 'constant')
+DECAYS = {}  # config.lr_decay's names -> the rate after the warmup (step_num, warmup_steps) -> a multiple of
+# learning_rate_factor · d_model^-0.5; the warmup's line meets it at warmup_steps
+
+
+def decay(name: str):
+  """A decorator registering a learning-rate decay under `name`, which config.lr_decay then accepts."""
+  def register(rate):
+    DECAYS[name] = rate
+    return rate
+  return register
+
+
+@decay('inverse_sqrt')
+def _inverse_sqrt(step_num, warmup_steps):
+  """§5.3: step_num^-0.5."""
+  return step_num ** -0.5
+
+
+@decay('constant')
+def _constant(step_num, warmup_steps):
+  """The warmup's peak held (not in the paper)."""
+  return jnp.full_like(step_num, warmup_steps ** -0.5)
+
+
+LR_DECAYS = tuple(DECAYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,26 +64,23 @@ class OptimizerSettings:
                              'them, translated with --weights=ema.', low=0.0, high=1.0, before=0.0)
 
 
-def inverse_sqrt_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, decay: str = 'inverse_sqrt'):
-  """lrate(step_num) = factor · d_model^-0.5 · min(step_num^-0.5, step_num · warmup^-1.5), step_num from 1.
-
-  decay='constant': the same linear warmup, then the peak factor · d_model^-0.5 · warmup^-0.5 held.
-  """
-  if decay not in LR_DECAYS:
+def warmup_schedule(d_model: int, warmup_steps: int, factor: float = 1.0, decay: str = 'inverse_sqrt'):
+  """§5.3 with decay 'inverse_sqrt': lrate(step_num) = factor · d_model^-0.5 · min(step_num^-0.5, step_num ·
+  warmup^-1.5), step_num from 1; another registered decay (DECAYS) replaces step_num^-0.5 after the warmup."""
+  if decay not in DECAYS:
     raise ValueError(f'decay={decay!r}: must be one of {LR_DECAYS}')
+  rate = DECAYS[decay]
 
   def schedule(step_num):
     step_num = jnp.maximum(jnp.asarray(step_num, jnp.float32), 1.0)
-    decayed = step_num**-0.5 if decay == 'inverse_sqrt' else jnp.float32(warmup_steps**-0.5)
-    return factor * d_model**-0.5 * jnp.minimum(decayed, step_num * warmup_steps**-1.5)
+    return factor * d_model**-0.5 * jnp.minimum(rate(step_num, warmup_steps), step_num * warmup_steps**-1.5)
 
   return schedule
 
 
 def learning_rate(settings: OptimizerSettings, d_model: int) -> optax.Schedule:
   """The run's learning rate for a model of width `d_model`, indexed by optax's update count (from 0)."""
-  paper_schedule = inverse_sqrt_schedule(d_model, settings.warmup_steps, settings.learning_rate_factor,
-                                         settings.lr_decay)
+  paper_schedule = warmup_schedule(d_model, settings.warmup_steps, settings.learning_rate_factor, settings.lr_decay)
   paper = lambda count: paper_schedule(count + 1)  # optax counts updates from 0, the paper from 1.
   schedule = paper
   if settings.cooldown_steps > 0:

@@ -6,7 +6,7 @@ import json
 
 import ml_collections
 
-from flax_transformer import checkpointing, parallel_text, settings, storage, tokenizer
+from flax_transformer import checkpointing, fields, parallel_text, settings, storage, tokenizer
 from flax_transformer.errors import ConfigError, WorkdirError
 
 CONFIG_FILENAME = 'config.json'
@@ -53,11 +53,10 @@ WRITTEN = (CONFIG_FILENAME, checkpointing.CHECKPOINT_DIR, 'tensorboard', 'train_
 def check_inputs(workdir, data: 'parallel_text.DataSettings', init_from: str = '') -> None:
   """Refuses a run whose writes would land on what it reads: the workdir may not be, hold or sit inside the
   run it fine-tunes from (`init_from`, a workdir), and none of the files training writes into it may be,
-  hold or sit inside its data files or vocabulary."""
+  hold or sit inside a file the settings read (every field declared `read`: the data files, the vocabulary)."""
   storage.check_output(f'--workdir={workdir}', workdir, {'the run of --config.init_from': init_from},
                        'give the fine-tuning run a workdir of its own')
-  reads = {f'config.{field}': getattr(data, field) for field in (
-      'train_source', 'train_target', 'eval_source', 'eval_target', 'vocab_path')}
+  reads = fields.files_read(data)
   for name in WRITTEN + (() if data.vocab_path else (tokenizer.VOCAB_FILENAME,)):
     written = storage.path(workdir) / name
     storage.check_output(f'{written}, which training writes,', written, reads, 'choose another --workdir')

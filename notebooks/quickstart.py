@@ -110,7 +110,7 @@ from flax_transformer import optim
 steps = np.arange(1, 20001)
 fig, ax = plt.subplots(figsize=(6, 3))
 for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
-  ax.plot(steps, optim.inverse_sqrt_schedule(d_model, warmup)(steps), label=f'd_model={d_model}, warmup={warmup}')
+  ax.plot(steps, optim.warmup_schedule(d_model, warmup)(steps), label=f'd_model={d_model}, warmup={warmup}')
 ax.set_xlabel('step'); ax.set_ylabel('learning rate'); ax.legend(); ax.set_title('lrate = d^-0.5 · min(step^-0.5, step · warmup^-1.5)')
 plt.show()
 

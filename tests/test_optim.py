@@ -7,7 +7,7 @@ from flax_transformer import optim, settings
 
 
 def test_schedule_equals_the_formula():
-  schedule = optim.inverse_sqrt_schedule(512, 4000)
+  schedule = optim.warmup_schedule(512, 4000)
   for step in (1, 4000, 100_000):
     expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
     np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-6)
@@ -58,7 +58,7 @@ def test_gradient_clipping_is_a_switch(tiny_config):
 def test_cooldown_ramps_the_paper_rate_linearly_to_zero(tiny_config):
   tiny_config.num_train_steps, tiny_config.warmup_steps, tiny_config.cooldown_steps = 100, 10, 40
   schedule = optim.learning_rate(settings.resolve(tiny_config).optimizer, 16)
-  paper = optim.inverse_sqrt_schedule(16, 10)
+  paper = optim.warmup_schedule(16, 10)
   for count in (0, 9, 30, 60, 61, 80, 99):  # optax update count; the paper's step is count + 1
     by_hand = float(paper(count + 1)) * min(1.0, (100 - count) / 40)
     np.testing.assert_allclose(float(schedule(count)), by_hand, rtol=1e-6)
@@ -73,7 +73,7 @@ def test_constant_decay_holds_the_warmup_peak_then_cools_down(tiny_config):
   for count in (0, 4, 9, 30, 59, 60, 80, 99):  # the paper's linear warmup, the peak held, then the ramp
     by_hand = min(peak, 16**-0.5 * (count + 1) * 10**-1.5) * min(1.0, (100 - count) / 40)
     np.testing.assert_allclose(float(schedule(count)), by_hand, rtol=1e-6)
-  paper = optim.inverse_sqrt_schedule(16, 10)
+  paper = optim.warmup_schedule(16, 10)
   assert float(schedule(9)) == pytest.approx(float(paper(10))) and float(schedule(30)) > float(paper(31)) * 1.5
 
 

@@ -47,3 +47,30 @@ def test_a_damaged_or_missing_config_json_is_a_one_line_error(tmp_path):
   with pytest.raises(WorkdirError, match=r'config.json is damaged \(.* at line 1\); restore it') as error:
     workdirs.read_config(str(tmp_path))
   assert '\n' not in str(error.value)
+
+
+def test_every_file_a_stage_declares_it_reads_is_kept_from_the_runs_writes(tmp_path):
+  """The rule that training writes onto nothing it reads covers every field declared `read`, without a list: a
+  stage given a new file field (a lexicon, say) is refused when its file lies inside what training writes, as
+  the test split's files are."""
+  import dataclasses
+
+  from flax_transformer import parallel_text
+  from flax_transformer.errors import UserError
+  from flax_transformer.fields import setting
+  from configs import tiny
+
+  @dataclasses.dataclass(frozen=True)
+  class WithLexicon(parallel_text.DataSettings):
+    lexicon: str = setting('A bilingual lexicon the run reads.', read=True, default='')
+
+  data = settings.resolve(tiny.get_config()).data
+  workdir = tmp_path / 'run'
+  inside = str(workdir / 'checkpoints' / 'lexicon.txt')
+  workdirs.check_inputs(str(workdir), WithLexicon(**dataclasses.asdict(data), lexicon=str(tmp_path / 'lexicon.txt')))
+  for stage, field in ((WithLexicon(**dataclasses.asdict(data), lexicon=inside), 'config.lexicon'),
+                       (dataclasses.replace(data, test_source=inside), 'config.test_source')):
+    with pytest.raises(UserError) as error:
+      workdirs.check_inputs(str(workdir), stage)
+    assert str(error.value) == (f'{workdir}/checkpoints, which training writes, holds {field} {inside}, which this '
+                                f'program reads; choose another --workdir')
