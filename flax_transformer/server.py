@@ -30,6 +30,7 @@ from flax_transformer.decoding_settings import BEAM_STOPS, CONSTRAINT_ORDERS, ST
 from flax_transformer.errors import UserError
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+DISCONNECT_POLL = 0.25  # seconds between checks that a waiting request's client is still connected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,8 +309,8 @@ async def _awaited(request: fastapi.Request, scheduler: serving.Scheduler, queue
   disconnects (then 499, which no client reads) or the deadline passes (504)."""
   future = asyncio.wrap_future(queued.future)
   end = time.monotonic() + deadline
-  while True:
-    done, _ = await asyncio.wait({future}, timeout=min(0.1, max(0.0, end - time.monotonic())))
+  while True:  # woken by the answer at once; every DISCONNECT_POLL seconds to see whether the client is still there
+    done, _ = await asyncio.wait({future}, timeout=min(DISCONNECT_POLL, max(0.0, end - time.monotonic())))
     if done:
       try:
         return future.result()
