@@ -123,7 +123,9 @@ def _beam_ended_reference(log_probs, max_length, beam, alpha):
 
 def _refilled(strategy, tokens_to_logits, limits, slots: int, order) -> tuple[np.ndarray, np.ndarray]:
   """The strategy over `slots` slots, sentences started in `order` as slots free up, one step at a time (the
-  engine's host loop, on a table model whose cache names each slot's sentence): (tokens [b, kept, L], scores)."""
+  engine's host loop, on a table model whose cache names each slot's sentence): (tokens [b, kept, L], scores).
+  As in the engine, done slots are read and refilled only once two are done (or all), so a done slot is stepped
+  on with the others meanwhile and its results must not change."""
   length = int(max(limits))
   state = {**strategy.initial(slots, length), 'cache': {'sentence': jnp.zeros((slots * strategy.width,), jnp.int32)}}
   step = jax.jit(lambda state: strategy.step(state, tokens_to_logits, search.gather_leading_rows))
@@ -143,7 +145,8 @@ def _refilled(strategy, tokens_to_logits, limits, slots: int, order) -> tuple[np
         state = start(state, jnp.int32(slot), jnp.int32(occupant[slot]), jnp.int32(limits[occupant[slot]]))
     state = step(state)
     output, done = strategy.output(state), np.asarray(strategy.done(state))
-    for slot in [slot for slot in occupant if done[slot]]:
+    finished = [slot for slot in occupant if done[slot]]
+    for slot in finished if len(finished) >= min(2, len(occupant)) else ():
       i = occupant.pop(slot)
       tokens[i], scores[i] = np.asarray(output[0][slot]), np.asarray(output[1][slot])
   return tokens, scores
