@@ -489,15 +489,21 @@ def test_a_sentences_samples_depend_on_the_seed_and_its_number_alone(small_model
 
 # --- Target prefixes -------------------------------------------------------------------------
 
+def _twenty_token_model(small_model_config, sentences: int, seed: int, key: int):
+  """A random model over 20 tokens and `sentences` random source sentences of up to 7 tokens: (config, model,
+  params, inputs [b, 7], each sentence's ids without EOS and padding)."""
+  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
+  inputs = random_batch(np.random.default_rng(seed), sentences, 7, 5, config.vocab_size)['inputs']
+  model = Transformer(config)
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(key), inputs, inputs)['params'])
+  return config, model, params, inputs, [[int(t) for t in row if t > 1] for row in inputs]
+
+
 def test_a_forced_prefix_begins_every_output_and_scores_as_teacher_forcing(small_model_config):
   """12 sentences through 8 slots, two in three with a prefix of 1 or 2 random tokens, by beam search (its 4
   best), greedy search and sampling (3 samples): every returned output begins with its prefix and scores what
   teacher forcing gives its tokens; a sentence with an empty prefix decodes as with no prefixes at all."""
-  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
-  inputs = random_batch(np.random.default_rng(4), 12, 7, 5, config.vocab_size)['inputs']
-  model = Transformer(config)
-  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(7), inputs, inputs)['params'])
-  encoded = [[int(t) for t in row if t > 1] for row in inputs]
+  config, model, params, inputs, encoded = _twenty_token_model(small_model_config, 12, seed=4, key=7)
   rng = np.random.default_rng(0)
   prefixes = [list(rng.integers(3, config.vocab_size, 1 + i % 2)) if i % 3 else [] for i in range(12)]
   keys = search.sentence_keys(1, range(12))
@@ -602,11 +608,7 @@ def test_constraints_in_refilled_slots_score_their_tokens_and_leave_other_senten
   phrases of one to three random tokens, unordered and ordered: every returned output scores what teacher
   forcing gives its tokens, one that ends with EOS contains its phrases, the outputs hold far more of the
   phrases than unconstrained ones, and a sentence without phrases decodes as BeamSearch decodes it."""
-  config = dataclasses.replace(small_model_config, vocab_size=20, share_embeddings=False)
-  inputs = random_batch(np.random.default_rng(5), 16, 7, 5, config.vocab_size)['inputs']
-  model = Transformer(config)
-  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(8), inputs, inputs)['params'])
-  encoded = [[int(t) for t in row if t > 1] for row in inputs]
+  config, model, params, inputs, encoded = _twenty_token_model(small_model_config, 16, seed=5, key=8)
   rng = np.random.default_rng(1)
   constraints = [[[int(t) for t in rng.integers(3, config.vocab_size, rng.integers(1, 4))]
                   for _ in range(rng.integers(1, 4))] if i % 4 else [] for i in range(16)]
