@@ -23,7 +23,7 @@ def define(flag_values, argv) -> None:
   define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
       name, default, help_string, flag_values=flag_values, **kw)
   translate.define_model(flag_values)
-  define('string', 'host', '127.0.0.1', 'The address to listen on (127.0.0.1: this machine only).')
+  define('string', 'host', '127.0.0.1', 'The address to listen on (127.0.0.1: local connections only; 0.0.0.0: every network interface).')
   define('integer', 'port', 8000, 'The port to listen on.')
   limits = Limits()
   define('integer', 'max_request_bytes', limits.max_request_bytes, 'The largest request body (413 above it).')
