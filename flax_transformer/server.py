@@ -48,7 +48,7 @@ Positive = Annotated[int, pydantic.Field(ge=1)]
 
 class TranslateRequest(pydantic.BaseModel):
   """A /translate request: the sentences and, each optional (default: the server's), how to decode them."""
-  model_config = pydantic.ConfigDict(extra='forbid')
+  model_config = pydantic.ConfigDict(extra='forbid', allow_inf_nan=False)
   sentences: str | list[str] = pydantic.Field(description='One sentence, or a list of them.')
   strategy: str | None = pydantic.Field(None, description=f'One of {", ".join(STRATEGIES)}.')
   beam_size: Positive | None = None

@@ -303,6 +303,8 @@ CASES = [
          'error: --max_waiting=0 must be 1 or more'),
     Case('serve_top_p_above_one', ('serve', '--workdir={W}', '--strategy=sampling', '--top_p=1.5'), 1,
          'error: --top_p=1.5: must be in (0, 1] (1: every token)'),
+    Case('serve_timeout_inf', ('serve', '--workdir={W}', '--timeout_seconds=inf'), 1,
+         'error: --timeout_seconds=inf must be a finite number of seconds above 0'),
     Case('serve_port_outside', ('serve', '--workdir={W}', '--port=70000'), 1,
          'error: --port=70000 is not a port; give 1 to 65535 (0: any free one)'),
     Case('translate_decode_slots_zero', ('translate', '--workdir={W}', '--input={T}/in.txt', '--decode_slots=0'), 1,

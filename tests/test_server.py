@@ -121,6 +121,8 @@ def test_bad_requests_get_one_line_and_a_status_and_the_server_goes_on(served, t
   _one_line_error(post(b'{"sentence": ["a"]}'), 400, 'sentence is not a field of this request')
   _one_line_error(post(b'{"sentences": ["a"], "top_p": 2}'), 400, 'top_p=2.0: must be in (0, 1]')
   _one_line_error(post(b'{"sentences": ["a"], "beam_size": 0}'), 400, 'beam_size: Input should be greater')
+  _one_line_error(post(b'{"sentences": ["a"], "timeout": Infinity}'), 400, 'timeout: Input should be a finite number')
+  _one_line_error(post(b'{"sentences": ["a"], "temperature": NaN}'), 400, 'temperature: Input should be a finite')
   _one_line_error(post(b'{"sentences": ["a"], "strategy": "sampling", "n_best": 2}'), 400,
                   "n_best=2 lists the beam's best and the strategy is sampling")
   _one_line_error(post(b'{"sentences": ["a"], "constraints": [["\xe2\x98\x83"]]}'), 400,

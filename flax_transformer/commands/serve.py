@@ -44,8 +44,8 @@ def check_flags(f) -> None:
   for name in ('max_request_bytes', 'max_request_sentences', 'max_waiting'):
     if getattr(f, name) < 1:
       raise UserError(f'--{name}={getattr(f, name)} must be 1 or more')
-  if not f.timeout_seconds > 0:
-    raise UserError(f'--timeout_seconds={f.timeout_seconds} must be more than 0 seconds')
+  if not 0 < f.timeout_seconds < float('inf'):
+    raise UserError(f'--timeout_seconds={f.timeout_seconds} must be a finite number of seconds above 0')
   if not 0 <= f.port <= 65535:
     raise UserError(f'--port={f.port} is not a port; give 1 to 65535 (0: any free one)')
   try:  # before the model loads: a port in use is known in a second, not after a minute of loading
