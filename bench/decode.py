@@ -227,8 +227,8 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   """A trained model on real sentences (EOS ends each), beam 4 and greedy: ours through the Translator vs
   CTranslate2 float32 on the exported model, alternating; BLEU against `references_path`; the decoding
   program's peak memory (XLA's buffer assignment, largest batch)."""
-  from flax_transformer import engine, evaluation, parallel_text, search
-  from flax_transformer.sentences import encode_sentences
+  from flax_transformer import engine, parallel_text, scoring, search
+  from flax_transformer.sentence_batches import encode_sentences
   from flax_transformer.translator import Translator
   sentences = parallel_text.read_lines(sentences_path)
   references = parallel_text.read_lines(references_path) if references_path else None
@@ -278,7 +278,7 @@ def real_sentences(workdir: str, sentences_path: str, references_path: str | Non
   print('| decoder | sentences/s (median) | output tokens | BLEU |\n|---|---|---|---|')
   for name in runs:
     words = sum(len(translator.processor.encode(t)) for t in outputs[name])
-    score = (f'{evaluation.bleu(outputs[name], references, translator.settings.decode.bleu_tokenize)[0]:.2f}'
+    score = (f'{scoring.bleu(outputs[name], references, translator.settings.decode.bleu_tokenize)[0]:.2f}'
              if references else '-')
     print(f'| {name} | {len(sentences) / statistics.median(seconds[name]):,.1f} | {words:,} | {score} |')
   for name, model in translators.items():

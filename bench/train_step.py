@@ -91,7 +91,7 @@ def build_ours(s, batch, dtype: str = 'float32', max_positions: int = 64):
   state, shardings = train_state.create_train_state(model_config, run.optimizer, mesh, jax.random.key(0))
   step = partitioning.jit_train_step(
       functools.partial(steps.train_step, model_config=model_config, label_smoothing=0.1,
-                        fused_output_loss=run.loop.fused_output_loss), mesh, shardings)
+                        fused_output_loss=run.training.fused_output_loss), mesh, shardings)
   rng = jax.random.key(1)
   holder = {'state': state}
 

@@ -19,14 +19,14 @@ def write_averaged_workdir(workdir: str, output: str, count: int | None = None, 
   """
   storage.check_output(f'--output={output}', output, {'the workdir': workdir})
   run = workdirs.read_settings(workdir)
-  count = best if best is not None else run.loop.average_last if count is None else count
+  count = best if best is not None else run.training.average_last if count is None else count
   storage.check_replaceable('--output', output, overwrite)
   params, chosen = weights.chosen_params(workdir, run.model, count, best=best is not None,
-                                         metric=run.loop.best_metric, weights=weights_name)
+                                         metric=run.training.best_metric, weights=weights_name)
   with storage.staged_directory(output) as staging:
     if not run.data.vocab_path:  # the vocabulary trained into the workdir travels with the model
       (staging / tokenizer.VOCAB_FILENAME).write_bytes((storage.path(workdir) / tokenizer.VOCAB_FILENAME).read_bytes())
-    weights.save_params(checkpointing.checkpoint_dir(staging), chosen[-1], params, averaged_steps=chosen)
+    weights.save_params(checkpointing.checkpoints_folder(staging), chosen[-1], params, averaged_steps=chosen)
     workdirs.copy_config(workdir, staging, average_last=1)  # the output holds one checkpoint: the average
   return chosen
 

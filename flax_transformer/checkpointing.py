@@ -30,8 +30,11 @@ METRICS_ITEM = 'metrics'  # where Orbax keeps a checkpoint's metrics: <step>/met
 HIGHER_IS_BETTER = ('bleu',)  # validation metrics where a higher value is better (loss: lower)
 
 
-def checkpoint_dir(workdir: str):
-  return storage.path(workdir) / CHECKPOINT_DIR
+def checkpoints_folder(directory: str, or_itself: bool = False):
+  """The checkpoints/ folder of the workdir `directory`; with `or_itself` (programs that read checkpoints)
+  `directory` may be that folder itself. Absolute: Orbax takes no other."""
+  directory = storage.path(directory)
+  return directory if or_itself and directory.name == CHECKPOINT_DIR else directory / CHECKPOINT_DIR
 
 
 def create_manager(workdir: str, keep: int, asynchronous: bool = True, keep_best: int = 0,
@@ -54,7 +57,7 @@ def create_manager(workdir: str, keep: int, asynchronous: bool = True, keep_best
       # The step's folder is made before save() returns, so a folder that cannot be made fails that call at
       # once (made in the background, it fails in a thread the run then waits 300 s for).
       async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options)
+  return ocp.CheckpointManager(checkpoints_folder(workdir), options=options)
 
 
 def _quiet_unranked_saves() -> None:
@@ -341,22 +344,16 @@ def restore_latest(manager: ocp.CheckpointManager, state, state_shardings, with_
 
 def remove_partial(workdir, step: int) -> bool:
   """Removes what a failed save of `step` left (Orbax's temporary folder); whether there was any."""
-  folder, removed = checkpoint_dir(workdir), False
+  folder, removed = checkpoints_folder(workdir), False
   for partial in folder.glob(f'{step}.orbax-checkpoint-tmp*'):
     partial.rmtree() if partial.is_dir() else partial.unlink()
     removed = True
   return removed
 
 
-def checkpoints_folder(directory: str):
-  """The checkpoints/ folder of `directory` (a workdir or that folder), absolute (Orbax takes no other)."""
-  directory = storage.path(directory)
-  return directory if directory.name == CHECKPOINT_DIR else directory / CHECKPOINT_DIR
-
-
 def available_steps(directory: str) -> list[int]:
   """Steps of the finished checkpoints under `directory` (a workdir or its checkpoints/ folder)."""
-  directory = checkpoints_folder(directory)
+  directory = checkpoints_folder(directory, or_itself=True)
   if not directory.is_dir():
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import jax
 
 from flax_transformer.errors import UserError
-from flax_transformer.fields import setting
+from flax_transformer.settings_fields import setting
 
 TPU_HOSTS_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES')
 SLURM_VARIABLES = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS', 'SLURM_PROCID', 'SLURM_LOCALID')

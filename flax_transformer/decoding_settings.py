@@ -9,9 +9,9 @@ import dataclasses
 
 import sacrebleu
 
-from flax_transformer import fields
+from flax_transformer import settings_fields
 from flax_transformer.errors import ArgumentError
-from flax_transformer.fields import setting
+from flax_transformer.settings_fields import setting
 
 STRATEGIES = ('beam', 'greedy', 'sampling')  # search.STRATEGIES' names: how a sentence's output is chosen
 BEAM_STOPS = ('bound', 'beam_ended')
@@ -85,7 +85,7 @@ def _probability(name: str, value) -> None:
 def check(values: dict, spelled=lambda name: name) -> None:
   """Decoding values ({field: value}; None: not given), wherever they come from: a one-line error naming each
   as the caller wrote it (`spelled(name)`: '--alpha', 'length_penalty_alpha', ...)."""
-  fields.check_values(DecodeSettings, values, spelled)
+  settings_fields.check_values(DecodeSettings, values, spelled)
   if values.get('top_p') is not None:
     _probability(spelled('top_p'), values['top_p'])
   strategy = values.get('strategy')

@@ -5,8 +5,8 @@
   StopSignal   every step: SIGTERM/SIGINT (agreed across processes) ends the run after this step
   LossGuard    every log step and checkpoint: fetches the steps' metrics; a lost loss stops the run
   Progress     every log step and checkpoint: the progress line, TensorBoard and the metrics file
-  Evaluation   every eval_every_steps and the last step: validation loss and BLEU (validation.py)
-  EarlyStopping  after each evaluation: the best so far; ends a run that stopped improving (validation.py)
+  Evaluation   every eval_every_steps and the last step: validation loss and BLEU (validation_hooks.py)
+  EarlyStopping  after each evaluation: the best so far; ends a run that stopped improving (validation_hooks.py)
   Checkpoint   every checkpoint_every_steps, the last step, a stop, and with config.keep_best every
                evaluation (ranked by its metrics): an Orbax save, never of a broken state
   LateStop     every step: a signal that came during the evaluation still stops the run with a checkpoint
@@ -29,7 +29,7 @@ import numpy as np
 from flax_transformer.errors import UserError
 from flax_transformer.metrics_log import MetricsLog
 from flax_transformer.saver import Saver
-from flax_transformer.settings import LoopSettings
+from flax_transformer.settings import TrainingSettings
 
 class TrainingDiverged(UserError):
   """The loss became NaN or Inf, or stayed far above its running median."""
@@ -41,24 +41,24 @@ class StepEnd:
   step: int
   state: Any  # the train state after the step (the loop's own)
   pending: list  # the metrics (on the devices) of the steps since the last fetch
-  loop: LoopSettings
+  training: TrainingSettings
   stop: str | None = None  # why the run ends after this step (a signal's name)
   fetched: list | None = None  # `pending` on the host, once a hook fetched it at this step
   saved: bool = False  # a checkpoint was written at this step
-  evaluated: dict | None = None  # the judged weights' validation metrics, at a step evaluated (validation.py)
+  evaluated: dict | None = None  # the judged weights' validation metrics, at a step evaluated (validation_hooks.py)
 
   @property
   def last(self) -> bool:
-    return self.step == self.loop.num_train_steps
+    return self.step == self.training.num_train_steps
 
   @property
   def checkpoint_due(self) -> bool:
-    ranked = self.loop.keep_best > 0 and self.step % self.loop.eval_every_steps == 0  # each evaluation ranks one
-    return self.step % self.loop.checkpoint_every_steps == 0 or self.last or self.stop is not None or ranked
+    ranked = self.training.keep_best > 0 and self.step % self.training.eval_every_steps == 0  # each evaluation ranks one
+    return self.step % self.training.checkpoint_every_steps == 0 or self.last or self.stop is not None or ranked
 
   @property
   def log_due(self) -> bool:
-    return self.step % self.loop.log_every_steps == 0 or self.checkpoint_due
+    return self.step % self.training.log_every_steps == 0 or self.checkpoint_due
 
 
 class Hook:
@@ -228,7 +228,7 @@ class Progress(Hook):
     return end.fetched is not None
 
   def after_step(self, end: StepEnd) -> None:
-    loop, step, fetched, now = self.run.settings.loop, end.step, end.fetched, time.perf_counter()
+    loop, step, fetched, now = self.run.settings.training, end.step, end.fetched, time.perf_counter()
     losses = [m['loss'] for m in fetched]
     elapsed = now - max(self.tick, self.evaluations_end())
     metrics = {'loss': _finite_mean(losses), 'nll': _finite_mean([m['nll'] for m in fetched]),
@@ -282,7 +282,7 @@ class Checkpoint(Hook):
     if self.guard.nonfinite:
       print(f'no checkpoint at step {end.step}: its loss is not finite', flush=True)
       return
-    ranked = self.run.settings.loop.keep_best > 0 and end.evaluated is not None
+    ranked = self.run.settings.training.keep_best > 0 and end.evaluated is not None
     self.saver.save(end.step, end.state, self.run.train_iter.state(), end.evaluated if ranked else None)
     self.guard.saved(end.step)
     end.saved = True

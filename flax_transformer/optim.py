@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import optax
 
-from flax_transformer.fields import setting
+from flax_transformer.settings_fields import setting
 
 DECAYS = {}  # config.lr_decay's names -> the rate after the warmup (step_num, warmup_steps) -> a multiple of
 # learning_rate_factor · d_model^-0.5; the warmup's line meets it at warmup_steps

@@ -74,7 +74,7 @@ def compiled_here(s: Settings) -> Settings:
 def with_accumulation(s: Settings, steps: int) -> Settings:
   """`s` with `steps` micro-batches an update (the data's batch sizes and the loop's step alike)."""
   return dataclasses.replace(s, data=dataclasses.replace(s.data, gradient_accumulation_steps=steps),
-                             loop=dataclasses.replace(s.loop, gradient_accumulation_steps=steps))
+                             training=dataclasses.replace(s.training, gradient_accumulation_steps=steps))
 
 
 def _compiled_step(s: Settings, mesh):
@@ -87,7 +87,7 @@ def _compiled_step(s: Settings, mesh):
   batch = {'inputs': jax.ShapeDtypeStruct((rows, source_length), jnp.int32, sharding=batch_sharding),
            'targets': jax.ShapeDtypeStruct((rows, target_length), jnp.int32, sharding=batch_sharding)}
   with partitioning.mesh_context(mesh):
-    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=s.loop.dropout_rng_impl)).compile()
+    compiled = step.jitted.lower(state, batch, jax.random.key(0, impl=s.training.dropout_rng_impl)).compile()
   return compiled, state, (rows, source_length, target_length)
 
 

@@ -4,15 +4,15 @@ stage its own frozen settings. `saved(text)` reads a workdir's config.json, olde
 since, fields added since). The ConfigDict goes no further than this module and the loop (startup.py,
 train_loop.py) and the programs.
 
-Each stage's settings live with the stage, every field declared once (fields.setting: type, description,
+Each stage's settings live with the stage, every field declared once (settings_fields.setting: type, description,
 allowed values, the value older runs had); this module only assembles them:
   Settings.model      model.TransformerConfig          (config.model)
   Settings.data       parallel_text.DataSettings       sources, vocabulary, lengths, batches
   Settings.optimizer  optim.OptimizerSettings          Adam, the schedule, clipping, skipped steps
   Settings.decode     decoding_settings.DecodeSettings beam search and BLEU
-  Settings.loop       LoopSettings (below)             steps, intervals, checkpoints, the loss guard, seeds
+  Settings.training   TrainingSettings (below)         steps, intervals, checkpoints, the loss guard, seeds
   Settings.cluster    cluster.ClusterSettings          processes and their timeouts
-The loop's own settings are declared here: the modules of the loop sit above this one.
+Training's own settings are declared here: the modules of the training loop sit above this one.
 """
 
 import dataclasses
@@ -21,11 +21,11 @@ import typing
 
 import ml_collections
 
-from flax_transformer import decoding_settings, fields, platforms
+from flax_transformer import decoding_settings, parallel_text, platforms, settings_fields
 from flax_transformer.cluster import ClusterSettings
 from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import ConfigError
-from flax_transformer.fields import setting
+from flax_transformer.settings_fields import setting
 from flax_transformer.model import TransformerConfig
 from flax_transformer.optim import OptimizerSettings
 from flax_transformer.parallel_text import DataSettings
@@ -41,8 +41,9 @@ RENAMED = {
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopSettings:
-  """The loop's settings (startup.py, hooks.py, train_loop.py), config fields of these names."""
+class TrainingSettings:
+  """Training's own settings (startup.py, hooks.py, train_loop.py): steps, intervals, checkpoints, the loss and
+  its guard, seeds, the device mesh; config fields of these names."""
   num_train_steps: int = setting('= config.num_train_steps (OptimizerSettings).', derived=True)
   checkpoint_every_steps: int = setting('Steps between checkpoints (also on the last step and on a signal).',
                                         minimum=1)
@@ -94,11 +95,11 @@ class Settings:
   data: DataSettings
   optimizer: OptimizerSettings
   decode: DecodeSettings
-  loop: LoopSettings
+  training: TrainingSettings
   cluster: ClusterSettings
 
 
-STAGES = (DataSettings, OptimizerSettings, DecodeSettings, LoopSettings, ClusterSettings)
+STAGES = (DataSettings, OptimizerSettings, DecodeSettings, TrainingSettings, ClusterSettings)
 
 
 def _declared() -> dict[str, dataclasses.Field]:
@@ -108,9 +109,9 @@ def _declared() -> dict[str, dataclasses.Field]:
 
 def added() -> dict[str, object]:
   """Fields added since the first config.json files, with the value those runs had ('model.' for the model)."""
-  values = {name: f.metadata['before'] for name, f in _declared().items() if f.metadata['before'] is not fields.NEW}
+  values = {name: f.metadata['before'] for name, f in _declared().items() if f.metadata['before'] is not settings_fields.NEW}
   values.update((f'model.{f.name}', f.metadata['before']) for f in dataclasses.fields(TransformerConfig)
-                if f.metadata.get('before', fields.NEW) is not fields.NEW)
+                if f.metadata.get('before', settings_fields.NEW) is not settings_fields.NEW)
   return values
 
 
@@ -127,7 +128,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     if name not in config:
       raise ConfigError(f'config.{name} is missing; add it to the config (configs/base.py sets every field)')
   for name, field in declared.items():
-    why = fields.problem(field, config[name])
+    why = settings_fields.problem(field, config[name])
     if why:
       _fail(name, config[name], why)
     if field.metadata['check']:
@@ -148,12 +149,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     raise ConfigError("config.best_metric='bleu' but config.num_eval_bleu_sentences=0 computes no BLEU; translate "
                       "some validation sentences (e.g. --config.num_eval_bleu_sentences=500) or judge by "
                       "--config.best_metric=loss")
-  if config.dataset == 'files':
-    for split in ('train', 'eval'):
-      for side in ('source', 'target'):
-        if not config[f'{split}_{side}']:
-          raise ConfigError(f"config.{split}_{side} is empty but config.dataset='files'; set the path "
-                            f'(--config.{split}_{side}=PATH) or a tfds dataset name in config.dataset')
+  parallel_text.source_for(_data(config, config.model.vocab_size)).check()
 
 
 def model_settings(config: ml_collections.ConfigDict, platform: str | None = None) -> TransformerConfig:
@@ -176,8 +172,19 @@ def model_settings(config: ml_collections.ConfigDict, platform: str | None = Non
 
 def _stage(cls, config: ml_collections.ConfigDict, **given):
   """cls built from the config's fields of the same names (`given` first, for derived fields and choices)."""
-  return cls(**{f.name: given[f.name] if f.name in given else fields.typed(f, config[f.name])
+  return cls(**{f.name: given[f.name] if f.name in given else settings_fields.typed(f, config[f.name])
                 for f in dataclasses.fields(cls)})
+
+
+def _shared(config: ml_collections.ConfigDict) -> dict:
+  """The derived fields that repeat another stage's field of the same name."""
+  return {'num_train_steps': config.num_train_steps, 'max_skipped_steps': config.max_skipped_steps,
+          'gradient_accumulation_steps': config.gradient_accumulation_steps, 'seed': config.seed,
+          'eval_tokens_per_batch': config.eval_tokens_per_batch}
+
+
+def _data(config: ml_collections.ConfigDict, vocab_size: int) -> DataSettings:
+  return _stage(DataSettings, config, vocab_size=vocab_size, **_shared(config))
 
 
 def decoding_for(decoding: DecodeSettings, platform: str | None = None) -> DecodeSettings:
@@ -198,16 +205,12 @@ def resolve(config: ml_collections.ConfigDict, platform: str | None = None, chec
   if not checked:
     check(config)
   model = model_settings(config, platform)
-  shared = {'num_train_steps': config.num_train_steps, 'max_skipped_steps': config.max_skipped_steps,
-            'gradient_accumulation_steps': config.gradient_accumulation_steps, 'seed': config.seed,
-            'eval_tokens_per_batch': config.eval_tokens_per_batch}
   return Settings(
-      platform=platform, model=model,
-      data=_stage(DataSettings, config, vocab_size=model.vocab_size, **shared),
+      platform=platform, model=model, data=_data(config, model.vocab_size),
       optimizer=_stage(OptimizerSettings, config),
       decode=decoding_for(_stage(DecodeSettings, config), platform),
-      loop=_stage(LoopSettings, config, output_loss='fused' if platforms.fused_output_loss(config.output_loss, platform)
-                  else 'optax', **shared),
+      training=_stage(TrainingSettings, config, **_shared(config),
+                      output_loss='fused' if platforms.fused_output_loss(config.output_loss, platform) else 'optax'),
       cluster=cluster_settings(config))
 
 

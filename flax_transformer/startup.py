@@ -102,12 +102,12 @@ def banner(s: Settings, mesh, num_params: int, num_batch_shapes: int, cluster_ki
       f'mesh: {" x ".join(f"{name}={size}" for name, size in mesh.shape.items())}',
       f'model: {num_params:,} parameters (float32), compute dtype {s.model.dtype}, attention '
       f'{s.model.attention}, dropout masks {s.model.dropout_masks}, '
-      f'{"fused" if s.loop.fused_output_loss else "optax"} output loss, beam top-k {s.decode.beam_top_k}',
+      f'{"fused" if s.training.fused_output_loss else "optax"} output loss, beam top-k {s.decode.beam_top_k}',
       f'batch: {s.data.tokens_per_batch:,} tokens per side per step globally, {s.data.tokens_per_batch // dp:,} '
       f'per data-parallel device, {s.data.gradient_accumulation_steps} micro-batch(es); '
       f'{num_batch_shapes} batch shapes to compile',
   ]
-  loop, chosen = s.loop, []
+  loop, chosen = s.training, []
   if s.optimizer.ema_decay:
     chosen.append(f'moving average of the weights (decay {s.optimizer.ema_decay:g}), evaluated beside them')
   if loop.keep_best:
@@ -129,15 +129,15 @@ def set_up(config, workdir: str, devices=None) -> tuple[Run, train_state.TrainSt
   cluster.watch_peers(settings.cluster_settings(config))
   cluster.check_same('config', settings.comparable(config))  # the processes run one config
   s = settings.resolve(config, checked=True)  # the 'auto' choices, for the platform JAX now runs on
-  platforms.check(s.loop.platform)
+  platforms.check(s.training.platform)
   is_chief, workdir = jax.process_index() == 0, storage.path(workdir)
   storage.check_reachable(workdir, '--workdir')
   for split in ('train', 'eval'):  # what the run reads, before anything is written or compiled
     parallel_text.check_split(s.data, split)
-  origin = finetuning.source(s.loop.init_from, s.model, s.data.vocab_path)
+  origin = finetuning.source(s.training.init_from, s.model, s.data.vocab_path)
   workdirs.check_inputs(workdir, s.data, origin.workdir if origin else '')
   workdirs.check(workdir, s)
-  mesh = partitioning.create_mesh(s.loop.mesh_shape, devices)
+  mesh = partitioning.create_mesh(s.training.mesh_shape, devices)
   partitioning.check_model_fits_mesh(s.model, mesh)  # before the vocabulary's minute, not after
   shard = partitioning.data_shard(mesh.devices)
   lock, lock_error = None, None
@@ -162,17 +162,17 @@ def _build(config_json: str, s: Settings, workdir, mesh, shard, is_chief, lock, 
   processor, vocab_path = _vocabulary(s.data, workdir, is_chief)
   if is_chief:  # once the data and vocabulary are known to work: a failed start leaves no config behind
     workdirs.write_config(workdir, config_json)
-  init_rng, dropout_rng = jax.random.split(jax.random.key(s.loop.seed, impl=s.loop.dropout_rng_impl))
+  init_rng, dropout_rng = jax.random.split(jax.random.key(s.training.seed, impl=s.training.dropout_rng_impl))
   state, state_shardings = train_state.create_train_state(s.model, s.optimizer, mesh, init_rng)
-  manager = checkpointing.create_manager(workdir, s.loop.keep_checkpoints, keep_best=s.loop.keep_best,
-                                         best_metric=s.loop.best_metric)
-  state, data_state = _resume(s.loop.restore_data_state, workdir, state, state_shardings, manager)
+  manager = checkpointing.create_manager(workdir, s.training.keep_checkpoints, keep_best=s.training.keep_best,
+                                         best_metric=s.training.best_metric)
+  state, data_state = _resume(s.training.restore_data_state, workdir, state, state_shardings, manager)
   start_step = int(jax.device_get(state.step))
   if origin and start_step == 0:  # a fine-tuning run's first start: the source's parameters, a fresh optimizer
     state = finetuning.initial_params(origin, state, state_shardings)
     print(f'parameters from {origin.workdir} step {origin.step}; optimizer and schedule start at step 0', flush=True)
   train_iter = input_pipeline.process_train_batches(s.data, vocab_path, workdir, shard.blocks, shard.data_parallel,
-                                                    data_seed(s.loop.seed, start_step), data_state)
+                                                    data_seed(s.training.seed, start_step), data_state)
   if is_chief:
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     print(banner(s, mesh, num_params, len(train_iter.batching.used_shapes), cluster_kind), flush=True)

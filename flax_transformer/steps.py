@@ -85,8 +85,8 @@ def eval_step(params, batch: dict, *, model_config: TransformerConfig, label_smo
 
 def for_run(s) -> tuple:
   """(train step, eval step) bound to a run's settings (settings.Settings), for partitioning's jit."""
-  train = functools.partial(train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
-                            gradient_accumulation_steps=s.loop.gradient_accumulation_steps,
-                            fused_output_loss=s.loop.fused_output_loss, ema_decay=s.optimizer.ema_decay)
-  evaluate = functools.partial(eval_step, model_config=s.model, label_smoothing=s.loop.label_smoothing)
+  train = functools.partial(train_step, model_config=s.model, label_smoothing=s.training.label_smoothing,
+                            gradient_accumulation_steps=s.training.gradient_accumulation_steps,
+                            fused_output_loss=s.training.fused_output_loss, ema_decay=s.optimizer.ema_decay)
+  evaluate = functools.partial(eval_step, model_config=s.model, label_smoothing=s.training.label_smoothing)
   return train, evaluate

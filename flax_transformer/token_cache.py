@@ -36,7 +36,7 @@ import zlib
 import numpy as np
 
 from flax_transformer import cluster, storage
-from flax_transformer.parallel_text import DataError, DataSettings, text_pairs
+from flax_transformer.parallel_text import DataError, DataSettings, source_for, text_pairs
 from flax_transformer.token_table import Side, TokenTable, token_table
 
 FORMAT = 2  # the layout above; a change makes a new fingerprint
@@ -46,17 +46,7 @@ ARRAYS = ('source_values', 'source_lengths', 'target_values', 'target_lengths')
 
 def identity(data: DataSettings, vocab_path: str) -> dict:
   """Everything the cached table depends on, as JSON values."""
-  if data.dataset == 'files':
-    source = {}
-    for side in ('source', 'target'):
-      location = getattr(data, f'train_{side}')
-      stat = storage.path(location).stat()
-      source[side] = {'path': storage.resolved(location), 'bytes': int(stat.length), 'mtime': int(stat.mtime)}
-  else:
-    from flax_transformer.parallel_text import _tfds_builder
-    builder = _tfds_builder(data)
-    source = {'tfds': data.dataset, 'version': str(builder.version), 'split': data.train_split,
-              'data_dir': storage.resolved(builder.data_dir), 'languages': [data.source_lang, data.target_lang]}
+  source = source_for(data).identity()
   vocabulary = hashlib.sha256(storage.path(vocab_path).read_bytes()).hexdigest()
   return {'format': FORMAT, 'data': source, 'vocabulary_sha256': vocabulary,
           'max_train_length': data.max_train_length, 'block_pairs': data.token_cache_block_pairs}

@@ -14,27 +14,27 @@ import sys
 
 import jax
 
-from flax_transformer import checkpointing, hooks, storage, startup, validation
+from flax_transformer import checkpointing, hooks, startup, storage, validation_hooks
 from flax_transformer.metrics_log import MetricsLog, read_evaluations
 from flax_transformer.saver import CheckpointSaveFailed, Saver
 
 
-ORDER = (hooks.SaveCheck, hooks.StopSignal, hooks.LossGuard, hooks.Progress, validation.Evaluation,
-         validation.EarlyStopping, hooks.Checkpoint, hooks.LateStop)  # the loop's hooks in their order: hooks.py
-# and validation.py say what each does and why it comes there
+ORDER = (hooks.SaveCheck, hooks.StopSignal, hooks.LossGuard, hooks.Progress, validation_hooks.Evaluation,
+         validation_hooks.EarlyStopping, hooks.Checkpoint, hooks.LateStop)  # the loop's hooks in their order: hooks.py
+# and validation_hooks.py say what each does and why it comes there
 
 
 def build_hooks(run: startup.Run, log: MetricsLog, saver: Saver) -> list[hooks.Hook]:
   """The hooks of ORDER for `run`."""
-  loop = run.settings.loop
+  loop = run.settings.training
   signals = hooks.StopSignal(multi_process=jax.process_count() > 1)
   guard = hooks.LossGuard(loop.max_skipped_steps, loop.loss_spike_factor, loop.loss_spike_steps, verbose=run.is_chief,
                     checkpoints=checkpointing.available_steps(run.workdir))
   checkpoint = hooks.Checkpoint(run, saver, guard)
-  evaluation = validation.Evaluation(run, log, signals)
+  evaluation = validation_hooks.Evaluation(run, log, signals)
   progress = hooks.Progress(run, log, evaluation.seconds)
-  history = read_evaluations(run.workdir, validation.judged_split(run), until=run.start_step) if run.start_step else {}
-  early_stopping = validation.EarlyStopping(loop.best_metric, loop.early_stopping_evaluations,
+  history = read_evaluations(run.workdir, validation_hooks.judged_split(run), until=run.start_step) if run.start_step else {}
+  early_stopping = validation_hooks.EarlyStopping(loop.best_metric, loop.early_stopping_evaluations,
                                             {step: m[loop.best_metric] for step, m in history.items()
                                              if loop.best_metric in m}, verbose=run.is_chief)
   built = [hooks.SaveCheck(saver), signals, guard, progress, evaluation, early_stopping, checkpoint,
@@ -47,7 +47,7 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
   """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last metrics."""
   with storage.one_shutdown():
     run, state = startup.set_up(config, workdir, devices)
-    timeout = run.settings.loop.storage_timeout_seconds
+    timeout = run.settings.training.storage_timeout_seconds
     log = MetricsLog(run.workdir, run.is_chief, timeout)
     saver = Saver(run.manager, run.workdir, timeout, run.start_step or None)
     ordered = build_hooks(run, log, saver)
@@ -71,8 +71,8 @@ def train_and_evaluate(config, workdir: str, devices=None) -> dict:
 
 def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:
   """The loop: a step, then every hook due after it, in the list's order; returns the last step."""
-  loop, step, pending, end, compiled = run.settings.loop, run.start_step, [], None, set()
-  ended = finished(run, next((h for h in ordered if isinstance(h, validation.EarlyStopping)), None))
+  loop, step, pending, end, compiled = run.settings.training, run.start_step, [], None, set()
+  ended = finished(run, next((h for h in ordered if isinstance(h, validation_hooks.EarlyStopping)), None))
   if ended and run.is_chief:
     print(f'warning: {ended}', file=sys.stderr, flush=True)
   while step < loop.num_train_steps and not ended:
@@ -97,10 +97,10 @@ def _train(run: startup.Run, state, ordered: list[hooks.Hook]) -> int:
   return step
 
 
-def finished(run: startup.Run, early_stopping: validation.EarlyStopping | None) -> str:
+def finished(run: startup.Run, early_stopping: validation_hooks.EarlyStopping | None) -> str:
   """Why the run resumed at `run.start_step` has ended already (its steps are reached, or it stopped early), with
   what to change to train on; '' if it has not."""
-  loop, step = run.settings.loop, run.start_step
+  loop, step = run.settings.training, run.start_step
   if step and step >= loop.num_train_steps:
     return (f'the run in {run.workdir} ended at step {step} (config.num_train_steps={loop.num_train_steps}); nothing '
             f'was trained: to train on, raise --config.num_train_steps above {step}')
@@ -122,7 +122,7 @@ def _close(run: startup.Run, log: MetricsLog, ordered: list[hooks.Hook], failure
   closing += [('the workdir lock', run.lock.release)] if run.lock else []
   for what, close in closing:
     try:
-      storage.within(run.settings.loop.storage_timeout_seconds, f'closing {what} in {run.workdir}', close)
+      storage.within(run.settings.training.storage_timeout_seconds, f'closing {what} in {run.workdir}', close)
     except Exception:
       if failure is None:
         raise

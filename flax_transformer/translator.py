@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_transformer import engine, losses, search, tokenizer
-from flax_transformer.sentences import encode_sentences, split_at_punctuation, translation_batches
+from flax_transformer.sentence_batches import encode_sentences, split_at_punctuation, translation_batches
 from flax_transformer.constants import EOS_ID, PAD_ID, UNK_ID
 from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import ArgumentError, UserError, WorkdirError
@@ -173,9 +173,9 @@ class Translator:
     if checkpoint_dir and not storage.path(checkpoint_dir).is_dir():
       raise WorkdirError(f'--checkpoint_dir={checkpoint_dir} is not a folder; give the checkpoints/ folder of a run '
                          f'(or leave it out to read the workdir\'s)')
-    count = 1 if checkpoint == 'best' else average_last if average_last is not None else run.loop.average_last
+    count = 1 if checkpoint == 'best' else average_last if average_last is not None else run.training.average_last
     params, chosen = weights_.chosen_params(source, model_config, count, step=step, best=checkpoint == 'best',
-                                            metric=run.loop.best_metric, weights=weights, where=where)
+                                            metric=run.training.best_metric, weights=weights, where=where)
     return cls(params, model_config, processor, checkpoints=tuple(chosen), settings=run,
                decoding=run.decode, **overrides)
 

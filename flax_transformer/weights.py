@@ -29,7 +29,7 @@ def restore_params(directory: str, step: int, abstract_params, shardings=None, w
   `abstract_params`: a tree of arrays or ShapeDtypeStructs giving shapes; `shardings` defaults to
   replication over all local devices.
   """
-  directory = checkpointing.checkpoints_folder(directory)
+  directory = checkpointing.checkpoints_folder(directory, or_itself=True)
   checkpointing.check_kind(directory / str(step), abstract_params, False, directory.parent)
   if weights == EMA and EMA not in (checkpointing.saved_items(directory / str(step)) or (EMA,)):
     raise checkpointing.CheckpointOfAnotherKind(
@@ -88,7 +88,7 @@ def save_params(directory: str, step: int, params, averaged_steps: list[int] | N
 def checkpoint_metrics(directory) -> dict[int, dict]:
   """{step: its validation metrics} of the finished checkpoints under `directory` (a workdir or its
   checkpoints/ folder) saved with metrics (a run with config.keep_best > 0)."""
-  folder, found = checkpointing.checkpoints_folder(directory), {}
+  folder, found = checkpointing.checkpoints_folder(directory, or_itself=True), {}
   for step in checkpointing.available_steps(directory):
     try:
       found[step] = json.loads((folder / str(step) / METRICS_ITEM / METRICS_ITEM).read_text())

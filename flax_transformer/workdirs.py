@@ -6,7 +6,7 @@ import json
 
 import ml_collections
 
-from flax_transformer import checkpointing, fields, parallel_text, settings, storage, tokenizer
+from flax_transformer import checkpointing, parallel_text, settings, settings_fields, storage, tokenizer
 from flax_transformer.errors import ConfigError, WorkdirError
 
 CONFIG_FILENAME = 'config.json'
@@ -19,7 +19,7 @@ def check(workdir: str, s: 'settings.Settings') -> None:
   resolved settings `s`, or whose newest checkpoint is not a training state of that model."""
   try:  # one probe per process: the processes of a multi-host run check the same (shared) workdir at once
     storage.check_writable(workdir, 'workdir', 'choose another --workdir')
-    storage.check_writable(checkpointing.checkpoint_dir(workdir), 'the checkpoints folder of workdir',
+    storage.check_writable(checkpointing.checkpoints_folder(workdir), 'the checkpoints folder of workdir',
                            'make it writable or choose another --workdir')
   except storage.StorageError as error:
     raise WorkdirError(str(error)) from None
@@ -34,15 +34,15 @@ def check(workdir: str, s: 'settings.Settings') -> None:
           raise WorkdirError(f'workdir {workdir} holds a run with {prefix}{key}={before!r} but this config has '
                              f'{now!r}; use a new --workdir (the existing run is left untouched)')
   steps = checkpointing.available_steps(workdir)
-  if steps and saved and saved.loop.seed != s.loop.seed:
-    raise WorkdirError(f'workdir {workdir} holds a run trained with config.seed={saved.loop.seed} (checkpoint '
-                       f'{steps[-1]}) but this config has {s.loop.seed}; a resumed run keeps its seed (initialisation, '
+  if steps and saved and saved.training.seed != s.training.seed:
+    raise WorkdirError(f'workdir {workdir} holds a run trained with config.seed={saved.training.seed} (checkpoint '
+                       f'{steps[-1]}) but this config has {s.training.seed}; a resumed run keeps its seed (initialisation, '
                        f'dropout and data order): drop --config.seed, or use a new --workdir for another seed')
   if steps:
     import flax.linen as nn
     from flax_transformer import partitioning
     abstract = nn.meta.unbox(partitioning.abstract_params(s.model))
-    checkpointing.check_kind(checkpointing.checkpoint_dir(workdir) / str(steps[-1]), abstract, True, workdir)
+    checkpointing.check_kind(checkpointing.checkpoints_folder(workdir) / str(steps[-1]), abstract, True, workdir)
 
 
 # What training writes into its workdir (beside the vocabulary when it trains one).
@@ -56,7 +56,7 @@ def check_inputs(workdir, data: 'parallel_text.DataSettings', init_from: str = '
   hold or sit inside a file the settings read (every field declared `read`: the data files, the vocabulary)."""
   storage.check_output(f'--workdir={workdir}', workdir, {'the run of --config.init_from': init_from},
                        'give the fine-tuning run a workdir of its own')
-  reads = fields.files_read(data)
+  reads = settings_fields.files_read(data)
   for name in WRITTEN + (() if data.vocab_path else (tokenizer.VOCAB_FILENAME,)):
     written = storage.path(workdir) / name
     storage.check_output(f'{written}, which training writes,', written, reads, 'choose another --workdir')

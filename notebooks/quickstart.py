@@ -98,7 +98,7 @@ if TINY:  # a few-thousand-parameter model and few batch shapes, for a CPU test
   config.log_every_steps, config.tokens_per_batch = 5, 2048
 run = settings.resolve(config)  # every field checked, and the 'auto' choices made for this platform, once
 print(f'attention {run.model.attention}, dropout masks {run.model.dropout_masks}, beam top-k {run.decode.beam_top_k}')
-mesh = partitioning.create_mesh(run.loop.mesh_shape)
+mesh = partitioning.create_mesh(run.training.mesh_shape)
 print('mesh:', dict(mesh.shape))
 
 # %% [markdown]
@@ -155,7 +155,7 @@ plt.show()
 # ## Restore from the Orbax checkpoint (parameters only, averaged) and translate with beam search
 
 # %%
-from flax_transformer import Translator, evaluation, parallel_text
+from flax_transformer import Translator, parallel_text, scoring
 from flax_transformer.constants import EOS_ID
 from flax_transformer.model import Transformer
 
@@ -166,7 +166,7 @@ references = parallel_text.read_lines(config.test_target)[:len(sources)]
 translations = translator.translate(sources)  # beam 4, α 0.6, max length = input + 50
 for source, translation in list(zip(sources, translations))[:3]:
   print(f'{source}\n  -> {translation}')
-score, signature = evaluation.bleu(translations, references)
+score, signature = scoring.bleu(translations, references)
 print(f'averaged checkpoints {list(translator.checkpoints)}; BLEU on {len(sources)} test_2016_flickr sentences: '
       f'{score:.2f} ({signature})')
 

@@ -45,7 +45,7 @@ def workdir(request, tmp_path_factory):
   dummy = np.ones((1, 4), np.int32)
   params = nn.meta.unbox(Transformer(model_config).init(jax.random.key(3), dummy, dummy)['params'])
   params = jax.tree_util.tree_map(lambda x: np.asarray(x) * 3.0, params)
-  weights.save_params(checkpointing.checkpoint_dir(directory), 1, params)
+  weights.save_params(checkpointing.checkpoints_folder(directory), 1, params)
   workdirs.write_config(directory, settings.to_json(config))
   return str(directory), sources, targets
 

@@ -60,11 +60,11 @@ def _run(losses, checkpoint_every=3):
   config = tiny.get_config()
   config.num_train_steps, config.checkpoint_every_steps, config.log_every_steps = len(losses), checkpoint_every, 100
   config.max_skipped_steps = len(losses)
-  loop = settings.resolve(config, 'cpu').loop
+  training = settings.resolve(config, 'cpu').training
   step = lambda state, batch, rng: (state + 1, {'loss': np.float32(losses[state])})
-  return types.SimpleNamespace(settings=types.SimpleNamespace(loop=loop), start_step=0, is_chief=False,
+  return types.SimpleNamespace(settings=types.SimpleNamespace(training=training), start_step=0, is_chief=False,
                                train_iter=_Batches(), to_global=lambda batch: batch, train_step=step,
-                               dropout_rng=None), loop
+                               dropout_rng=None), training
 
 
 def test_the_guard_before_the_checkpoint_keeps_a_broken_state_out_of_the_checkpoints():

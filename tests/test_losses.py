@@ -53,12 +53,12 @@ def test_without_smoothing_loss_is_nll(np_rng):
 
 
 def test_paper_bleu_splits_compounds():
-  from flax_transformer import evaluation
-  assert evaluation.split_compounds('Rhein-Main-Gebiet ist groß') == 'Rhein ##AT##-##AT## Main ##AT##-##AT## Gebiet ist groß'
-  perfect, label = evaluation.paper_bleu(['Das Rhein-Main-Gebiet ist groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
+  from flax_transformer import scoring
+  assert scoring.split_compounds('Rhein-Main-Gebiet ist groß') == 'Rhein ##AT##-##AT## Main ##AT##-##AT## Gebiet ist groß'
+  perfect, label = scoring.paper_bleu(['Das Rhein-Main-Gebiet ist groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
   assert abs(perfect - 100.0) < 1e-9 and 'compound splitting' in label
-  partial, _ = evaluation.paper_bleu(['Das Rhein-Gebiet ist sehr groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
-  sacre, _ = evaluation.bleu(['Das Rhein-Gebiet ist sehr groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
+  partial, _ = scoring.paper_bleu(['Das Rhein-Gebiet ist sehr groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
+  sacre, _ = scoring.bleu(['Das Rhein-Gebiet ist sehr groß.'], ['Das Rhein-Main-Gebiet ist groß.'])
   assert 0 < partial < 100 and partial != sacre  # the split pieces count as matches
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tools import compare_runs
 from flax_transformer import settings, train_state, workdirs
-from flax_transformer import checkpointing, evaluation, parallel_text, partitioning, steps, storage, token_table, tokenizer
+from flax_transformer import checkpointing, parallel_text, partitioning, scoring, steps, storage, token_table, tokenizer
 from flax_transformer.commands import average as average_command, translate as translate_command
 from flax_transformer.translator import Translator
 from tests.helpers import programs
@@ -160,13 +160,13 @@ def test_evaluation_equals_one_process(corpus, reference, tiny_config):
                                          mesh, shardings.params)
   batches = token_table.eval_batches(settings.resolve(config).data, vocab_path, 'eval', 8)
   sharding = partitioning.batch_sharding(mesh)
-  results = evaluation.evaluate_loss(eval_step, state.params, batches,
+  results = scoring.evaluate_loss(eval_step, state.params, batches,
                                      lambda b: {k: jax.device_put(v, sharding) for k, v in b.items()})
   pairs = list(parallel_text.python_pairs(settings.resolve(config).data, 'eval'))[:config.num_eval_bleu_sentences]
   hypotheses = Translator(jax.device_get(state.params), model_config, processor, beam_size=config.beam_size,
                           length_penalty_alpha=config.length_penalty_alpha, max_extra_length=config.max_extra_length,
                           eval_tokens_per_batch=config.eval_tokens_per_batch).translate([p[0] for p in pairs])
-  bleu, _ = evaluation.bleu(hypotheses, [p[1] for p in pairs])
+  bleu, _ = scoring.bleu(hypotheses, [p[1] for p in pairs])
   print('two processes:', logged, '\none process:', results, bleu, hypotheses)
   with open(os.path.join(workdir, 'translations', f'eval_{STEPS}.txt')) as f:
     assert f.read().splitlines() == hypotheses  # the same translations, line for line

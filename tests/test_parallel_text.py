@@ -63,3 +63,49 @@ def test_a_damaged_gzip_file_is_a_one_line_error(tmp_path):
     for read in (lambda: parallel_text.read_lines(path), lambda: list(parallel_text.parallel_lines(path, path))):
       with pytest.raises(parallel_text.DataError, match=f'{name} is not a readable gzip file .*download or copy it again'):
         read()
+
+
+def test_a_new_source_is_one_registered_class_that_every_stage_reads_through(files_config, monkeypatch):
+  """A source of JSON lines, registered in one place: the config check, the split's preparation, the pairs
+  and the token cache's identity all go through it."""
+  import dataclasses
+  import json
+
+  from flax_transformer import token_cache
+  from flax_transformer.errors import ConfigError
+
+  prepared = []
+
+  class JsonLines(parallel_text.Source):
+    fields = parallel_text.FileFields  # {split}_source: a file of {"source": ..., "target": ...} lines
+
+    def check(self):
+      if not self.data.train_source.endswith('.jsonl'):
+        raise ConfigError(f'config.train_source={self.data.train_source!r}: must be a .jsonl file')
+
+    def prepare(self, split):
+      prepared.append(split)
+
+    def pairs(self, split):
+      for line in parallel_text.read_lines(getattr(self.data, f'{split}_source')):
+        pair = json.loads(line)
+        yield pair['source'].encode(), pair['target'].encode()
+
+    def identity(self):
+      return {'jsonl': self.data.train_source}
+
+  monkeypatch.setitem(parallel_text.SOURCES, 'jsonl', JsonLines)
+  pairs = list(parallel_text.python_pairs(settings.resolve(files_config).data))
+  path = files_config.train_source.replace('.gz', '') + '.jsonl'
+  with open(path, 'w') as file:
+    file.writelines(json.dumps({'source': s, 'target': t}) + '\n' for s, t in pairs)
+  files_config.dataset = 'jsonl'
+  with pytest.raises(ConfigError, match='must be a .jsonl file'):
+    settings.resolve(files_config)
+  files_config.train_source = path
+  data = settings.resolve(files_config).data
+  assert type(parallel_text.source_for(data)) is JsonLines
+  assert type(parallel_text.source_for(dataclasses.replace(data, dataset='wmt14_translate/de-en'))) is parallel_text.Tfds
+  parallel_text.check_split(data, 'train')
+  assert prepared == ['train'] and list(parallel_text.python_pairs(data)) == pairs
+  assert token_cache.identity(data, files_config.vocab_path or __file__)['data'] == {'jsonl': path}

@@ -57,8 +57,8 @@ def test_the_train_step_on_the_accelerator_tracks_the_cpu(dtype):
     mesh = partitioning.create_mesh((1, 1, 1), devices)
     state, shardings = train_state.create_train_state(s.model, s.optimizer, mesh, jax.random.key(0))
     step = partitioning.jit_train_step(functools.partial(
-        steps.train_step, model_config=s.model, label_smoothing=s.loop.label_smoothing,
-        fused_output_loss=s.loop.fused_output_loss), mesh, shardings)
+        steps.train_step, model_config=s.model, label_smoothing=s.training.label_smoothing,
+        fused_output_loss=s.training.fused_output_loss), mesh, shardings)
     losses[platform] = []
     for _ in range(3):
       state, metrics = step(state, batch, jax.random.key(1))

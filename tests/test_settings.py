@@ -27,7 +27,7 @@ def test_every_config_resolves_on_every_platform(module):
     assert s.platform == platform
     assert s.model.dropout_masks == ('hash' if platform == 'cpu' else 'random')
     assert s.decode.beam_top_k == ('two_stage' if platform == 'cpu' else 'lax')
-    assert s.loop.fused_output_loss is (platform == 'cpu')
+    assert s.training.fused_output_loss is (platform == 'cpu')
     assert s.model.attention == 'xla'  # float32: cuDNN's fused attention is for bf16
 
 
@@ -39,7 +39,7 @@ def test_cudnn_attention_only_for_bf16_on_gpu_and_explicit_choices_are_kept():
   config.model.attention, config.model.dropout_masks, config.beam_top_k, config.output_loss = (
       'explicit', 'random', 'lax', 'optax')
   s = settings.resolve(config, 'cpu')
-  assert (s.model.attention, s.model.dropout_masks, s.decode.beam_top_k, s.loop.fused_output_loss) == (
+  assert (s.model.attention, s.model.dropout_masks, s.decode.beam_top_k, s.training.fused_output_loss) == (
       'explicit', 'random', 'lax', False)
 
 
@@ -47,8 +47,8 @@ def test_stage_settings_are_frozen_and_carry_the_config_values():
   config = multi30k.get_config()
   s = settings.resolve(config, 'cpu')
   assert s.data.max_train_length == config.max_train_length and s.data.vocab_size == config.model.vocab_size
-  assert s.optimizer.warmup_steps == config.warmup_steps and s.loop.mesh_shape == tuple(config.mesh_shape)
-  for stage in (s, s.model, s.data, s.optimizer, s.decode, s.loop, s.cluster):
+  assert s.optimizer.warmup_steps == config.warmup_steps and s.training.mesh_shape == tuple(config.mesh_shape)
+  for stage in (s, s.model, s.data, s.optimizer, s.decode, s.training, s.cluster):
     with pytest.raises(dataclasses.FrozenInstanceError):
       setattr(stage, dataclasses.fields(stage)[0].name, None)
 

@@ -15,7 +15,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from tools import compare_runs
-from flax_transformer import checkpointing, hooks, metrics_log, partitioning, saver, train_loop, validation, weights, workdirs
+from flax_transformer import checkpointing, hooks, metrics_log, partitioning, saver, train_loop, validation_hooks, weights, workdirs
 from flax_transformer.errors import WorkdirError
 from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, subprocess_env, train_command
 from tests.helpers.corpus import write_corpus
@@ -49,8 +49,8 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
   config.eval_every_steps = 3
   workdir = str(tmp_path / 'work')
   built = []
-  monkeypatch.setattr(validation.token_table, 'eval_batches',
-                      lambda *args, f=validation.token_table.eval_batches: built.append(args) or f(*args))
+  monkeypatch.setattr(validation_hooks.token_table, 'eval_batches',
+                      lambda *args, f=validation_hooks.token_table.eval_batches: built.append(args) or f(*args))
   result = train_loop.train_and_evaluate(config, workdir, one_device())
   assert checkpointing.available_steps(workdir) == [3, 6]
   with open(os.path.join(workdir, metrics_log.METRICS_FILENAME)) as f:

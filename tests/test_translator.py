@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from flax_transformer import engine, search, sentences, steps, tokenizer
+from flax_transformer import engine, search, sentence_batches, steps, tokenizer
 from flax_transformer.errors import UserError
 from flax_transformer.model import Transformer, TransformerConfig
 from flax_transformer.translator import Translator
@@ -152,10 +152,10 @@ def test_split_pieces_stay_within_the_limit():
     encode = staticmethod(lambda text: list(text))
 
   sentence = 'One two. Three four five! Six? Seven eight nine ten.'
-  pieces = sentences.split_at_punctuation(Characters, sentence, 20)
+  pieces = sentence_batches.split_at_punctuation(Characters, sentence, 20)
   assert ' '.join(pieces) == sentence
   assert pieces == ['One two.', 'Three four five!', 'Six?', 'Seven eight nine ten.']
-  assert sentences.split_at_punctuation(Characters, sentence, 100) == [sentence]
+  assert sentence_batches.split_at_punctuation(Characters, sentence, 100) == [sentence]
 
 
 def _member(translator, seed: int, **changes):

@@ -57,7 +57,7 @@ def test_every_file_a_stage_declares_it_reads_is_kept_from_the_runs_writes(tmp_p
 
   from flax_transformer import parallel_text
   from flax_transformer.errors import UserError
-  from flax_transformer.fields import setting
+  from flax_transformer.settings_fields import setting
   from configs import tiny
 
   @dataclasses.dataclass(frozen=True)

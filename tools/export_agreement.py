@@ -34,7 +34,7 @@ def ct2_translate(translator, processor, sources, beam_size, alpha, extra, max_p
 def main(argv):
   del argv
   import ctranslate2
-  from flax_transformer import evaluation, export, parallel_text
+  from flax_transformer import export, parallel_text, scoring
   from flax_transformer.translator import Translator
   f = flags.FLAGS
   sources = parallel_text.read_lines(f.source)[:f.lines]
@@ -47,14 +47,14 @@ def main(argv):
       export.export(f.workdir, f'{directory}/{quantization}', quantization, average_last=f.average_last)
     greedy = ours.translate(sources, beam_size=1)
     beam = ours.translate(sources, beam_size=4, length_penalty_alpha=0.6)
-    rows.append(('ours', None, evaluation.bleu(beam, references)[0]))
+    rows.append(('ours', None, scoring.bleu(beam, references)[0]))
     for quantization in ('float32', 'int8'):
       translator = ctranslate2.Translator(f'{directory}/{quantization}', device='cpu')
       their_greedy = ct2_translate(translator, ours.processor, sources, 1, 0.0, extra, max_positions)
       their_beam = ct2_translate(translator, ours.processor, sources, 4, 0.6, extra, max_positions)
       same = sum(a == b for a, b in zip(greedy, their_greedy))
       rows.append((f'CTranslate2 {ctranslate2.__version__} {quantization}', same,
-                   evaluation.bleu(their_beam, references)[0]))
+                   scoring.bleu(their_beam, references)[0]))
   print(f'{len(sources)} sentences of {f.source}, checkpoint(s) {list(ours.checkpoints)} of {f.workdir}\n')
   print('| decoder | greedy output identical to ours | beam 4 BLEU |\n|---|---|---|')
   for name, same, bleu in rows:

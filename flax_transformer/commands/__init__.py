@@ -66,10 +66,10 @@ def define_cluster(flag_values) -> None:
 def check_cluster(f) -> None:
   """define_cluster's flags checked as a run config's fields are: one line naming the flag."""
   import dataclasses
-  from flax_transformer import fields
+  from flax_transformer import settings_fields
   from flax_transformer.cluster import ClusterSettings
   names = [field.name for field in dataclasses.fields(ClusterSettings)]
-  fields.check_values(ClusterSettings, {name: getattr(f, name) for name in names}, lambda name: f'--{name}')
+  settings_fields.check_values(ClusterSettings, {name: getattr(f, name) for name in names}, lambda name: f'--{name}')
   if f.coordinator_address and not f.process_id < f.num_processes:
     raise UserError(f'--process_id={f.process_id} is outside 0..{f.num_processes - 1} (--num_processes='
                     f'{f.num_processes}); give each process its own id')

@@ -80,7 +80,7 @@ def report(f) -> None:
   from flax_transformer import plan, settings
   check_flags(f)
   s = settings.resolve(f.config, f.target)  # the choices of the platform planned for, made once
-  mesh = parse_mesh(f.mesh) if f.mesh else s.loop.mesh_shape
+  mesh = parse_mesh(f.mesh) if f.mesh else s.training.mesh_shape
   figures = plan.plan(s, f.devices, mesh, f.peak_tflops, f.mfu, f.device_memory_gb)
   print(f'capacity plan for {f.target}, computed by compiling the train step on {f.devices} fake CPU devices '
         f'(not measured)')

@@ -461,7 +461,7 @@ def phrase_list(path: str, number: int, line: str) -> list[str]:
 
 def _translate(f) -> None:
   import jax
-  from flax_transformer import evaluation, parallel_text, storage
+  from flax_transformer import parallel_text, scoring, storage
   from flax_transformer.errors import UserError
   chief, processes = jax.process_index() == 0, jax.process_count()
   if f.input == '-' and processes > 1:
@@ -527,10 +527,10 @@ def _translate(f) -> None:
                                      f'{len(translations)}; give the reference of this input')
     s = translator.settings
     tokenize = f.bleu_tokenize or s.decode.bleu_tokenize
-    score, signature = evaluation.bleu(translations, references, tokenize, f.lowercase)
+    score, signature = scoring.bleu(translations, references, tokenize, f.lowercase)
     print(f'BLEU = {score:.2f} ({signature})', file=sys.stderr)
     if s.data.dataset.startswith('wmt14'):
-      score, label = evaluation.paper_bleu(translations, references)
+      score, label = scoring.paper_bleu(translations, references)
       print(f'BLEU = {score:.2f} ({label})', file=sys.stderr)
 
 

@@ -7,7 +7,7 @@ import os
 import jax
 import pytest
 
-from flax_transformer import checkpointing, metrics_log, train_loop, validation, weights
+from flax_transformer import checkpointing, metrics_log, train_loop, validation_hooks, weights
 from flax_transformer.translator import Translator
 from tests.helpers.corpus import write_corpus
 
@@ -35,7 +35,7 @@ def scripted(tiny_config, tmp_path, monkeypatch):
     results = {'bleu': BLEU[step] + (1.0 if split == 'eval_ema' else 0.0), 'loss': 100.0 - BLEU[step]}
     self.log.scalars(step, results, split)
     return results
-  monkeypatch.setattr(validation.Evaluation, 'evaluate', evaluate)
+  monkeypatch.setattr(validation_hooks.Evaluation, 'evaluate', evaluate)
   return config, str(tmp_path / 'work'), evaluated
 
 

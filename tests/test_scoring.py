@@ -1,13 +1,13 @@
-"""Scores of translations (evaluation.py): sacreBLEU as configured, and the paper's tokenized, compound-split BLEU
+"""Scores of translations (scoring.py): sacreBLEU as configured, and the paper's tokenized, compound-split BLEU
 checked against BLEU computed by hand."""
 
 import math
 
-from flax_transformer import evaluation
+from flax_transformer import scoring
 
 
 def test_compounds_split_as_tensor2tensor_does():
-  assert evaluation.split_compounds('Rot-Kreuz-Helfer und ein - Strich') == (
+  assert scoring.split_compounds('Rot-Kreuz-Helfer und ein - Strich') == (
       'Rot ##AT##-##AT## Kreuz ##AT##-##AT## Helfer und ein - Strich')
 
 
@@ -15,7 +15,7 @@ def test_paper_bleu_scores_the_split_tokens():
   """One sentence whose hyphen splits into three tokens: BLEU over the split tokens, by the formula (n-gram
   precisions' geometric mean, brevity penalty 1 for equal lengths)."""
   hypothesis, reference = 'Das Rot-Kreuz Haus steht .', 'Das Rot-Kreuz Haus steht dort .'
-  score, label = evaluation.paper_bleu([hypothesis], [reference])
+  score, label = scoring.paper_bleu([hypothesis], [reference])
   # split: hyp 'Das Rot ##AT##-##AT## Kreuz Haus steht .' (7 tokens), ref the same with 'dort' before '.' (8)
   hyp = 'Das Rot ##AT##-##AT## Kreuz Haus steht .'.split()
   ref = 'Das Rot ##AT##-##AT## Kreuz Haus steht dort .'.split()
@@ -30,5 +30,5 @@ def test_paper_bleu_scores_the_split_tokens():
 
 
 def test_bleu_lowercase_and_signature():
-  score, signature = evaluation.bleu(['A dog runs .'], ['a dog runs .'], tokenize='none', lowercase=True)
+  score, signature = scoring.bleu(['A dog runs .'], ['a dog runs .'], tokenize='none', lowercase=True)
   assert abs(score - 100.0) < 1e-9 and 'case:lc' in signature and 'tok:none' in signature

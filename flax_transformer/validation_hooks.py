@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from flax_transformer import cluster, evaluation, parallel_text, partitioning, sentences, storage, token_table, translator
+from flax_transformer import cluster, parallel_text, partitioning, scoring, sentence_batches, storage, token_table, translator
 from flax_transformer.checkpointing import HIGHER_IS_BETTER
 from flax_transformer.hooks import Hook, StepEnd, StopSignal
 from flax_transformer.metrics_log import MetricsLog
@@ -38,15 +38,15 @@ class Evaluation(Hook):
     self.last = {}  # split ('eval', 'eval_ema') -> the latest metrics
 
   def due(self, end: StepEnd) -> bool:
-    return end.step % end.loop.eval_every_steps == 0 or end.last
+    return end.step % end.training.eval_every_steps == 0 or end.last
 
   def _translate(self, params, should_stop):
     s, run = self.run.settings, self.run
     if self.sources is None:
-      pairs = storage.within(s.loop.storage_timeout_seconds, 'reading the validation sentences', lambda: list(
-          parallel_text.python_pairs(s.data, 'eval'))[:s.loop.num_eval_bleu_sentences])
+      pairs = storage.within(s.training.storage_timeout_seconds, 'reading the validation sentences', lambda: list(
+          parallel_text.python_pairs(s.data, 'eval'))[:s.training.num_eval_bleu_sentences])
       self.sources, self.references = [p[0] for p in pairs], [p[1] for p in pairs]
-      self.encoded = sentences.encode_sentences(run.processor, self.sources)
+      self.encoded = sentence_batches.encode_sentences(run.processor, self.sources)
     model_params, processes = params, jax.process_count()
     if processes > 1:  # each process decodes its share (every processes-th sentence) with the whole model
       from jax.experimental import multihost_utils
@@ -64,19 +64,19 @@ class Evaluation(Hook):
     s, run, should_stop = self.run.settings, self.run, lambda: self.signals.received is not None
     if self.batches is None:
       dp_size = partitioning.data_parallel_size(run.mesh)
-      self.batches = storage.within(s.loop.storage_timeout_seconds, 'reading the validation data and vocabulary',
+      self.batches = storage.within(s.training.storage_timeout_seconds, 'reading the validation data and vocabulary',
                                     lambda: token_table.eval_batches(s.data, run.vocab_path, 'eval', dp_size))
-    results = evaluation.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
-    if results is not None and s.loop.num_eval_bleu_sentences > 0:
+    results = scoring.evaluate_loss(run.eval_step, params, self.batches, run.eval_to_global, should_stop)
+    if results is not None and s.training.num_eval_bleu_sentences > 0:
       hypotheses = self._translate(params, should_stop)
       if hypotheses is None:
         results = None
       else:
-        results['bleu'], _ = evaluation.bleu(hypotheses, self.references, s.decode.bleu_tokenize)
+        results['bleu'], _ = scoring.bleu(hypotheses, self.references, s.decode.bleu_tokenize)
         if run.is_chief:  # the sample's translations, to read beside the score
           folder = run.workdir / TRANSLATIONS_DIR
           name = f'eval_{step}.txt' if split == 'eval' else f'{split}_{step}.txt'
-          storage.within(s.loop.storage_timeout_seconds, f'writing the translations of step {step} to {folder}',
+          storage.within(s.training.storage_timeout_seconds, f'writing the translations of step {step} to {folder}',
                          lambda: folder.mkdir(parents=True, exist_ok=True) or (folder / name).write_text(
                              ''.join(h + '\n' for h in hypotheses)))
     if results is None:

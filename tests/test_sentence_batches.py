@@ -1,9 +1,9 @@
-"""Sentences to translation batches (sentences.py), against a direct reading of what each batch must hold."""
+"""Sentences to translation batches (sentence_batches.py), against a direct reading of what each batch must hold."""
 
 import numpy as np
 import pytest
 
-from flax_transformer import sentences
+from flax_transformer import sentence_batches
 from flax_transformer.constants import EOS_ID, PAD_ID
 
 
@@ -20,7 +20,7 @@ def test_translation_batches_hold_every_sentence_once_cut_padded_and_sorted(budg
   lengths multiples of 8; batches sorted by length and within the token budget unless one sentence exceeds it."""
   rng = np.random.default_rng(budget)
   encoded = [list(rng.integers(3, 50, rng.integers(0, 30))) for _ in range(60)]
-  batches = sentences.translation_batches(encoded, limit=20, eval_tokens_per_batch=budget)
+  batches = sentence_batches.translation_batches(encoded, limit=20, eval_tokens_per_batch=budget)
   seen = [i for indices, _ in batches for i in indices]
   assert sorted(seen) == [i for i, ids in enumerate(encoded) if ids]
   longest_before = 0
@@ -39,9 +39,9 @@ def test_translation_batches_hold_every_sentence_once_cut_padded_and_sorted(budg
 def test_a_long_line_splits_after_sentence_punctuation_into_pieces_within_the_limit():
   words = Words()
   line = 'aa bb. cc dd ee! ff? gg hh ii jj kk ll: mm'
-  pieces = sentences.split_at_punctuation(words, line, limit=5)
+  pieces = sentence_batches.split_at_punctuation(words, line, limit=5)
   assert ' '.join(pieces) == line  # nothing lost, nothing reordered
   assert pieces == ['aa bb.', 'cc dd ee! ff?', 'gg hh ii jj kk ll:', 'mm']  # joined while within 5 (a join costs
   # a space's id); a part with no break inside stays whole, over the limit
-  assert sentences.split_at_punctuation(words, 'no break here at all', limit=2) == ['no break here at all']
-  assert sentences.encode_sentences(words, ['a b', '  ', '']) == [[4, 4], [], []]
+  assert sentence_batches.split_at_punctuation(words, 'no break here at all', limit=2) == ['no break here at all']
+  assert sentence_batches.encode_sentences(words, ['a b', '  ', '']) == [[4, 4], [], []]

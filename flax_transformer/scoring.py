@@ -1,4 +1,5 @@
-"""Evaluation: validation loss/perplexity/accuracy, and sacreBLEU (translations come from translator.py)."""
+"""Scores: validation loss/perplexity/accuracy sums, sacreBLEU, and the paper's compound-split BLEU (the translations
+come from translator.py)."""
 
 import math
 import re
