@@ -14,52 +14,57 @@ from flax_transformer.errors import ArgumentError
 from flax_transformer.settings_fields import setting
 
 STRATEGIES = ('beam', 'greedy', 'sampling')  # search.STRATEGIES' names: how a sentence's output is chosen
-BEAM_STOPS = ('bound', 'beam_ended')
-CONSTRAINT_ORDERS = ('unordered', 'ordered')  # search.ConstrainedBeamSearch: phrases met in any order, or in theirs  # search.beam_search's stopping rules
+BEAM_STOPS = ('bound', 'beam_ended')  # search.beam_search's stopping rules
+CONSTRAINT_ORDERS = ('unordered', 'ordered')  # search.ConstrainedBeamSearch: phrases met in any order, or in theirs
 SAMPLING = {'temperature': 1.0, 'top_k': 0, 'top_p': 1.0, 'num_samples': 1}  # sampling's settings, and their neutral
 # values, which every other strategy has
 TOP_K = ('two_stage', 'lax')  # search.top_k's two ways; a run's 'auto' picks one per platform (platforms.top_k)
 BLEU_TOKENIZERS = tuple(sorted(sacrebleu.metrics.BLEU.TOKENIZERS))  # sacreBLEU's own list
+CALLS = ('flag', 'request')  # `given`: a flag of translate.py and the server, and a field of /translate requests
+FLAGS = ('flag',)  # a flag only
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
-  """§6.1 decoding and its scoring: config fields of these names, the Translator's keyword arguments and
-  translate.py's flags."""
+  """§6.1 decoding and its scoring: config fields of these names, the Translator's keyword arguments, and where
+  a field says so (`given`) translate.py's and the server's flags and the server's request fields."""
   strategy: str = setting("How each output is chosen (search.STRATEGIES): 'beam' (§6.1), 'greedy' (the most "
                           "probable token at each step) or 'sampling' (drawn from the model's distribution: "
-                          "back-translation).", choices=STRATEGIES, before='beam', default='beam')
-  beam_size: int = setting('§6.1 beam size (4); a beam of 1 decodes as greedy search does.', minimum=1, default=4)
+                          "back-translation).", choices=STRATEGIES, before='beam', given=CALLS, default='beam')
+  beam_size: int = setting('§6.1 beam size (4); a beam of 1 decodes as greedy search does.', minimum=1,
+                           given=CALLS, default=4)
   length_penalty_alpha: float = setting('§6.1 length-penalty exponent α (0.6); 0: no penalty.', low=0.0,
-                                        high=float('inf'), default=0.6)
+                                        high=float('inf'), given=CALLS, default=0.6)
   max_extra_length: int = setting('§6.1 an output is at most its input + this many tokens (50).', minimum=0,
                                   default=50)
   beam_stop: str = setting("When a sentence's beam search stops: 'bound' (tensor2tensor's: once no live hypothesis "
                            "can still beat the best ended one; the result of running to the length limit) or "
                            "'beam_ended' (fairseq's and CTranslate2's: once beam-size hypotheses have ended among "
                            "the steps' beam-size best; fewer steps, may keep a shorter output).", choices=BEAM_STOPS,
-                           before='bound', default='bound')
+                           before='bound', given=CALLS, default='bound')
   beam_top_k: str = setting("How the beam's top-k (and greedy's best token) is found: 'two_stage' (block maxima "
                             "first, faster on CPU), 'lax' (jax.lax.top_k); 'auto': by platform.",
                             choices=TOP_K + ('auto',), before='auto', default='auto')
   temperature: float = setting("Sampling: the model's logits divided by this before drawing (1: its own "
-                               "distribution; lower: closer to greedy).", greater=0.0, before=1.0, default=1.0)
+                               "distribution; lower: closer to greedy).", greater=0.0, before=1.0, given=CALLS,
+                               default=1.0)
   top_k: int = setting('Sampling: draw from the k most probable tokens only (0: all).', minimum=0, before=0,
-                       default=0)
+                       given=CALLS, default=0)
   top_p: float = setting('Sampling: draw from the most probable tokens whose probabilities add up to p (nucleus '
                          'sampling; 1: all).', check=lambda value: _probability('config.top_p', value), before=1.0,
-                         default=1.0)
-  num_samples: int = setting('Sampling: translations drawn per sentence.', minimum=1, before=1, default=1)
+                         given=CALLS, default=1.0)
+  num_samples: int = setting('Sampling: translations drawn per sentence.', minimum=1, before=1, given=CALLS, default=1)
   sampling_seed: int = setting("Sampling: the seed; a sentence's samples depend only on it, the sentence's "
-                               'number and the sample\'s.', minimum=0, before=0, default=0)
+                               'number and the sample\'s.', minimum=0, before=0, given=CALLS, default=0)
   constraint_order: str = setting("Lexical constraints (search.ConstrainedBeamSearch): 'unordered' (each phrase "
                                   "anywhere in the output) or 'ordered' (in the order given, one after another; "
                                   "fairseq's --constraints ordered).", choices=CONSTRAINT_ORDERS, before='unordered',
-                                  default='unordered')
+                                  given=CALLS, default='unordered')
   decode_slots: int = setting('Sentences the decoding engine decodes at once (engine.py), each with its beam; '
-                              'a finished one hands its slot to the next.', minimum=1, before=128, default=128)
+                              'a finished one hands its slot to the next.', minimum=1, before=128, given=FLAGS,
+                              default=128)
   eval_tokens_per_batch: int = setting('Source tokens of a batch scored or aligned under teacher forcing, and of '
-                                       'a validation loss batch.', minimum=1, default=8192)
+                                       'a validation loss batch.', minimum=1, given=FLAGS, default=8192)
   bleu_tokenize: str = setting("sacreBLEU's tokenizer for validation BLEU and translate.py --reference ('none': "
                                "pre-tokenized text).", choices=BLEU_TOKENIZERS, before='13a', default='13a')
 
@@ -74,6 +79,12 @@ class DecodeSettings:
     changed = dataclasses.replace(self, **changes)
     check({name: getattr(changed, name) for name in ('strategy', *SAMPLING)})  # sampling's settings, with sampling
     return changed
+
+
+def given(where: str) -> tuple[str, ...]:
+  """The settings whose values may also be given `where`: 'flag' (translate.py's and the server's flags) or
+  'request' (the server's /translate fields); each is defined there from its declaration here."""
+  return tuple(f.name for f in dataclasses.fields(DecodeSettings) if where in f.metadata['given'])
 
 
 def _probability(name: str, value) -> None:

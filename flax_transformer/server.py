@@ -25,8 +25,8 @@ import pydantic
 from fastapi import responses
 from starlette.concurrency import run_in_threadpool
 
-from flax_transformer import serving
-from flax_transformer.decoding_settings import BEAM_STOPS, CONSTRAINT_ORDERS, STRATEGIES
+from flax_transformer import decoding_settings, serving
+from flax_transformer.decoding_settings import DecodeSettings
 from flax_transformer.errors import UserError
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -46,25 +46,33 @@ class Limits:
 Positive = Annotated[int, pydantic.Field(ge=1)]
 
 
-class TranslateRequest(pydantic.BaseModel):
-  """A /translate request: the sentences and, each optional (default: the server's), how to decode them."""
+class _Request(pydantic.BaseModel):
+  """A /translate request: the sentences and, each optional (default: the server's), how to decode them (the
+  decoding settings declared `given` a request are added from their declarations: `TranslateRequest`)."""
   model_config = pydantic.ConfigDict(extra='forbid', allow_inf_nan=False)
   sentences: str | list[str] = pydantic.Field(description='One sentence, or a list of them.')
-  strategy: str | None = pydantic.Field(None, description=f'One of {", ".join(STRATEGIES)}.')
-  beam_size: Positive | None = None
-  length_penalty_alpha: float | None = None
-  beam_stop: str | None = pydantic.Field(None, description=f'One of {", ".join(BEAM_STOPS)}.')
   n_best: Positive | None = pydantic.Field(None, description="The beam's K best of each sentence, with scores.")
-  temperature: float | None = None
-  top_k: int | None = None
-  top_p: float | None = None
-  num_samples: Positive | None = pydantic.Field(None, description='Sampling: samples per sentence, with scores.')
-  sampling_seed: int | None = None
   prefixes: list[str] | None = pydantic.Field(None, description='Per sentence, text its translation begins with.')
   constraints: list[list[str]] | None = pydantic.Field(None, description='Per sentence, phrases it must hold.')
-  constraint_order: str | None = pydantic.Field(None, description=f'One of {", ".join(CONSTRAINT_ORDERS)}.')
   alignment: bool = pydantic.Field(False, description="Each best translation's word alignment (Pharaoh i-j).")
   timeout: float | None = pydantic.Field(None, gt=0, description='Seconds before the request is abandoned (504).')
+
+
+def _request_field(field: dataclasses.Field):
+  """A decoding setting as an optional request field: its type, its bounds, its description (its values and
+  every other rule are checked by DecodeSettings.replace, as for a flag or a config)."""
+  meta = field.metadata
+  bounds = {'ge': meta['minimum'] if meta['minimum'] is not None else meta['low'], 'gt': meta['greater']}
+  description = meta['doc'] + (f' One of {", ".join(meta["choices"])}.' if meta['choices'] else '')
+  return field.type | None, pydantic.Field(None, description=description,
+                                           **{k: v for k, v in bounds.items() if v is not None})
+
+
+TranslateRequest = pydantic.create_model(
+    'TranslateRequest', __base__=_Request, __doc__=_Request.__doc__,
+    **{f.name: _request_field(f) for f in dataclasses.fields(DecodeSettings) if 'request' in f.metadata['given']})
+DECODING = tuple(name for name in decoding_settings.given('request') if name != 'beam_size')  # to DecodeSettings;
+# the beam size goes to the plan with n_best
 
 
 class PairsRequest(pydantic.BaseModel):
@@ -72,10 +80,6 @@ class PairsRequest(pydantic.BaseModel):
   model_config = pydantic.ConfigDict(extra='forbid')
   sources: list[str]
   targets: list[str]
-
-
-DECODING = ('strategy', 'length_penalty_alpha', 'beam_stop', 'temperature', 'top_k', 'top_p', 'num_samples',
-            'sampling_seed', 'constraint_order')  # TranslateRequest's fields that are decoding settings
 
 
 class Refused(Exception):

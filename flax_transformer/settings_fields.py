@@ -13,15 +13,17 @@ NEW = object()  # `before` of a field every saved config.json has
 
 def setting(doc: str, *, choices: tuple | None = None, minimum: float | None = None, greater: float | None = None,
             low: float | None = None, high: float | None = None, check=None, before=NEW, derived: bool = False,
-            read: bool = False, default=dataclasses.MISSING):
+            read: bool = False, given: tuple = (), default=dataclasses.MISSING):
   """A settings field. `choices`: the values allowed. `minimum` (inclusive) or `greater` (exclusive): a bound;
   `low`, `high`: the half-open range [low, high). `check(value)`: raises a one-line ConfigError itself.
   `before`: the value of runs saved before the field existed. `derived`: made by settings.py from other
   fields (not a config field of this name). `read`: the value names a file (or storage URL) a program reads,
-  which nothing the program writes may be, hold or sit inside (`files_read`)."""
+  which nothing the program writes may be, hold or sit inside (`files_read`). `given`: where else than the
+  config a value may be given, each defined from this declaration: 'flag' (translate.py's and the server's
+  flags), 'request' (a field of the server's /translate requests)."""
   return dataclasses.field(default=default, metadata={
       'doc': doc, 'choices': choices, 'minimum': minimum, 'greater': greater, 'low': low, 'high': high,
-      'check': check, 'before': before, 'derived': derived, 'read': read})
+      'check': check, 'before': before, 'derived': derived, 'read': read, 'given': given})
 
 
 def files_read(*stages) -> dict[str, str]:

@@ -61,3 +61,23 @@ def test_every_strategy_a_setting_names_is_registered_and_each_is_built_from_the
   assert search.strategy_for(DecodeSettings(strategy='sampling', num_samples=3, top_p=0.5), 5).num_samples == 5
   with pytest.raises(ArgumentError, match=r"^top_p=0.5 is a setting of sampling and the strategy is 'greedy'"):
     DecodeSettings(strategy='greedy').replace(top_p=0.5)
+
+
+def test_a_decoding_setting_given_a_flag_or_a_request_field_is_one_from_its_declaration_alone():
+  """translate.py's and the server's flags and the /translate fields come from DecodeSettings' declarations:
+  a new decoding setting declared `given=CALLS` is all three without another line."""
+  from flax_transformer import server
+  from flax_transformer.commands import serve, translate
+  declared = {f.name: f for f in dataclasses.fields(decoding_settings.DecodeSettings)}
+  for define in (translate.define, serve.define):
+    values = flags.FlagValues()
+    define(values, [])
+    for name in decoding_settings.given('flag'):
+      assert values[name].default is None and declared[name].metadata['doc'] in values[name].help
+      assert getattr(values[name].parser, 'enum_values', None) == (list(declared[name].metadata['choices'])
+                                                                    if declared[name].metadata['choices'] else None)
+  request = server.TranslateRequest.model_fields
+  assert set(decoding_settings.given('request')) <= set(request)
+  for name in decoding_settings.given('request'):
+    assert request[name].description.startswith(declared[name].metadata['doc']) and request[name].default is None
+  assert set(server.DECODING) | {'beam_size'} == set(decoding_settings.given('request'))

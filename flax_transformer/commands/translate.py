@@ -24,11 +24,13 @@ import sys
 import threading
 import time
 
+from flax_transformer import decoding_settings
+
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # TensorFlow's C++ start-up chatter
 
 def define(flag_values, argv) -> None:
   from absl import flags
-  from flax_transformer import commands, decoding_settings
+  from flax_transformer import commands
   define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
       name, default, help_string, flag_values=flag_values, **kw)
   define_model(flag_values)
@@ -65,7 +67,7 @@ def define(flag_values, argv) -> None:
 def define_model(flag_values) -> None:
   """The flags that choose the model and its decoding defaults: translate.py's and the server's."""
   from absl import flags
-  from flax_transformer import commands, decoding_settings
+  from flax_transformer import commands
   define = lambda kind, name, default, help_string, **kw: getattr(flags, f'DEFINE_{kind}')(
       name, default, help_string, flag_values=flag_values, **kw)
   define('string', 'workdir', None, 'Training workdir (config.json, sentencepiece.model, checkpoints/); several '
@@ -73,41 +75,31 @@ def define_model(flag_values) -> None:
   define('string', 'checkpoint_dir', None, 'A checkpoints/ directory to use instead of the workdir\'s.')
   define('integer', 'step', None, 'Use this checkpoint step alone.')
   define('integer', 'average_last', None, 'Average the last K checkpoints (default: the config\'s average_last).')
-  flags.DEFINE_enum('strategy', None, list(decoding_settings.STRATEGIES), 'How each output is chosen (default: the '
-                    'config\'s strategy): beam (§6.1), greedy, or sampling (--temperature, --top_k, --top_p, '
-                    '--num_samples, --seed).', flag_values=flag_values)
-  define('integer', 'beam_size', None, 'Beam size (default: the config\'s; 1 = greedy).')
-  define('float', 'temperature', None, 'Sampling: divide the logits by this before drawing (default 1).')
-  define('integer', 'top_k', None, 'Sampling: draw among the k most probable tokens (default 0: all).')
-  define('float', 'top_p', None, 'Sampling: draw among the most probable tokens whose probabilities add up to p '
-         '(nucleus; default 1: all).')
-  define('integer', 'num_samples', None, 'Sampling: translations drawn per line, written as JSON lines as --n_best '
-         'writes them (default 1: the sample alone).')
-  define('integer', 'sampling_seed', None, "Sampling: the seed (default the config's, 0); a line's samples depend "
-         'only on it and the line\'s number.')
-  define('float', 'length_penalty_alpha', None, 'Length-penalty exponent α (default: the config\'s).')
-  flags.DEFINE_enum('beam_stop', None, list(decoding_settings.BEAM_STOPS), 'When a sentence\'s beam stops (default: '
-                    'the config\'s beam_stop): bound (once no live hypothesis can beat the best ended one) or '
-                    'beam_ended (once beam size hypotheses have ended, as fairseq and CTranslate2; fewer steps).',
-                    flag_values=flag_values)
-  define('integer', 'decode_slots', None, 'Sentences decoded at once, each slot refilled as its sentence ends '
-         '(default: the config\'s).')
+  decoding_flags(flag_values)
   define('integer', 'devices', None, 'Local devices that share the decoding slots, each holding the whole model '
          '(default: every local accelerator; one device on a CPU).')
-  define('integer', 'eval_tokens_per_batch', None, 'Source tokens per --score or --alignment batch (default: the '
-         'config\'s).')
   for alias, name in ALIASES.items():
     flags.DEFINE_alias(alias, name, flag_values=flag_values)
-  flags.DEFINE_enum('constraint_order', None, list(decoding_settings.CONSTRAINT_ORDERS), 'With --constraints_file: '
-                    'unordered (each phrase anywhere) or ordered (in the order given) (default: the config\'s).',
-                    flag_values=flag_values)
   commands.define_weights(flag_values)
 
 
+def decoding_flags(flag_values) -> None:
+  """A flag for every decoding setting declared `given` a flag (decoding_settings.DecodeSettings), its help its
+  declaration's; unset (None) it leaves the run's config value."""
+  from absl import flags
+  kinds = {int: flags.DEFINE_integer, float: flags.DEFINE_float, str: flags.DEFINE_string}
+  for field in dataclasses.fields(decoding_settings.DecodeSettings):
+    if 'flag' not in field.metadata['given']:
+      continue
+    help_string = f"{field.metadata['doc']} Default: the run config's {field.name}."
+    if field.metadata['choices']:
+      flags.DEFINE_enum(field.name, None, list(field.metadata['choices']), help_string, flag_values=flag_values)
+    else:
+      kinds[field.type](field.name, None, help_string, flag_values=flag_values)
+
+
 STREAM_LINES = 256  # the most stdin lines translated together
-DECODING_FLAGS = ('strategy', 'beam_size', 'length_penalty_alpha', 'decode_slots', 'eval_tokens_per_batch', 'beam_stop',
-                  'temperature', 'top_k', 'top_p', 'num_samples', 'sampling_seed', 'constraint_order')  # DecodeSettings'
-# names
+DECODING_FLAGS = decoding_settings.given('flag')
 
 
 ALIASES = {'alpha': 'length_penalty_alpha', 'batch_tokens': 'eval_tokens_per_batch', 'seed': 'sampling_seed'}  # short name -> flag
@@ -122,7 +114,7 @@ def typed(argv: list[str], name: str) -> str:
 
 def check_flags(f, argv: list[str] = ()) -> None:
   """Every flag that can be wrong without the model: before anything is loaded or compiled."""
-  from flax_transformer import commands, decoding_settings, parallel_text, storage
+  from flax_transformer import commands, parallel_text, storage
   from flax_transformer.errors import UserError
   decoding_settings.check({name: getattr(f, name) for name in DECODING_FLAGS}, lambda name: typed(argv, name))
   if f.n_best < 0:
