@@ -3,6 +3,7 @@
 import json
 
 import jax
+import pytest
 
 from flax_transformer import token_cache, train_loop
 from flax_transformer.commands import prepare
@@ -10,6 +11,7 @@ from tests.helpers import programs
 from tests.test_train_loop import small_run
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_prepare_then_train_reads_the_cache(tiny_config, tmp_path, monkeypatch):
   config = small_run(tiny_config, tmp_path)
   config.num_train_steps, config.checkpoint_every_steps, config.eval_every_steps = 2, 2, 2

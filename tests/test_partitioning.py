@@ -44,6 +44,7 @@ def test_fsdp_holds_an_eighth_per_device(tiny_config, small_model_config):
     assert fraction < 1 / 8 * 1.1
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_checkpoint_from_one_mesh_restores_on_others(tiny_config, small_model_config, tmp_path):
   state, _ = train_state.create_train_state(small_model_config, settings.resolve(tiny_config).optimizer, partitioning.create_mesh((2, 2, 2)),
                                              jax.random.key(0))

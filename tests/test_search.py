@@ -31,6 +31,7 @@ def test_cached_decoding_equals_full_forward(small_model_config, np_rng):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, t]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_decoding_sows_each_layers_attention_like_the_full_forward(small_model_config, np_rng):
   """Incremental decoding runs inside the module tree: every decoder layer's attention weights reach
   `intermediates`, and at step t they equal row t of the teacher-forced pass's weights."""
@@ -257,6 +258,7 @@ def test_blocked_top_k_equals_lax_top_k(ties, width, excluded):
   np.testing.assert_array_equal(indices, expected_indices)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_a_two_model_beam_search_finds_the_brute_force_optimum_of_the_ensemble():
   """Two tiny Transformers of different shapes: the ensemble's beam search (wide enough to be exhaustive) returns
   the sequence whose length-penalised sum of ensemble log-probabilities (the renormalised mean of the two models'
@@ -452,6 +454,7 @@ def test_sampling_draws_from_the_tempered_top_k_top_p_distribution(temperature, 
   np.testing.assert_allclose(np.asarray(scores).reshape(-1), log_probabilities[first], rtol=1e-5)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_a_sentences_samples_depend_on_the_seed_and_its_number_alone(small_model_config):
   """40 sentences, 3 samples each at temperature 1.5 and top-p 0.9, through 8 slots in one order and 32 in
   another, on one device and on two: each sentence gets the same samples (its key comes from the seed and its
@@ -499,6 +502,7 @@ def _twenty_token_model(small_model_config, sentences: int, seed: int, key: int)
   return config, model, params, inputs, [[int(t) for t in row if t > 1] for row in inputs]
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_a_forced_prefix_begins_every_output_and_scores_as_teacher_forcing(small_model_config):
   """12 sentences through 8 slots, two in three with a prefix of 1 or 2 random tokens, by beam search (its 4
   best), greedy search and sampling (3 samples): every returned output begins with its prefix and scores what
@@ -602,6 +606,7 @@ def test_a_beam_of_four_meets_every_constraint_the_length_limit_leaves_room_for(
       assert _contains(output, phrases, ordered), (ordered, phrases, output)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_constraints_in_refilled_slots_score_their_tokens_and_leave_other_sentences_as_they_were(
     small_model_config):
   """16 sentences through 8 slots of a small random model, beam 4 (its 2 best), three in four with one to three

@@ -57,6 +57,7 @@ def _one_line_error(response, status: int, start: str) -> None:
   assert message.startswith(start) and '\n' not in message, message
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_the_api_answers_what_the_translator_answers(served, translator):
   """Beam search, its 2 best, sampling (3 samples, a seed), prefixes, constraints, scores and alignments over HTTP
   equal the Translator's for the same sentences and settings; one sentence as a string gives one answer."""

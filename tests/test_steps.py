@@ -46,6 +46,7 @@ def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
   assert train_step.jitted._cache_size() == 1  # one compilation for one batch shape
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_the_weights_moving_average_is_the_closed_form(tiny_config, np_rng):
   """With decay d, after k steps from the initial weights p_0: ema_k = d^k p_0 + (1 - d) Σ_i d^(k-i) p_i, the
   p_i being the weights after step i; sharded like the parameters, on a 4-device mesh."""
@@ -69,7 +70,7 @@ def test_the_weights_moving_average_is_the_closed_form(tiny_config, np_rng):
                          jax.tree_util.tree_leaves(state.params)[0])  # the average lags the weights
 
 
-@pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (8, 1, 1)])
+@pytest.mark.parametrize('mesh_shape', [(1, 1, 1), pytest.param((8, 1, 1), marks=pytest.mark.slow)])
 def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_shape):
   tiny_config.model.dropout_rate = 0.0
   tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time
@@ -99,6 +100,7 @@ def _token_gathers(tiny_config, np_rng) -> list[str]:
   return re.findall(r'= s32\[[^\]]*\][^ ]* all-gather[^\n]*', hlo)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_accumulation_keeps_each_device_rows(tiny_config, np_rng, monkeypatch):
   assert _token_gathers(tiny_config, np_rng) == []  # strided micro-batches: no token moves between devices
   # The check can fail: contiguous micro-batches gather each one's rows from the devices holding them.
@@ -107,7 +109,7 @@ def test_accumulation_keeps_each_device_rows(tiny_config, np_rng, monkeypatch):
   assert _token_gathers(tiny_config, np_rng)
 
 
-@pytest.mark.parametrize('share_embeddings,pre_norm', [(True, False), (False, True)])
+@pytest.mark.parametrize('share_embeddings,pre_norm', [pytest.param(True, False, marks=pytest.mark.slow), (False, True)])
 def test_fused_output_loss_step_equals_autodiff_step(tiny_config, np_rng, share_embeddings, pre_norm):
   tiny_config.model.share_embeddings, tiny_config.model.pre_norm = share_embeddings, pre_norm
   tiny_config.model.dropout_rate = 0.1  # same masks on both paths
@@ -158,7 +160,8 @@ def single_device_result():
   return _two_steps(config, model_config, batch, (1, 1, 1))
 
 
-@pytest.mark.parametrize('mesh_shape', [(8, 1, 1), (2, 4, 1), (2, 1, 4), (1, 8, 1), (2, 2, 2)])
+@pytest.mark.parametrize('mesh_shape', [pytest.param(shape, marks=pytest.mark.slow) for shape in
+                                        ((8, 1, 1), (2, 4, 1), (2, 1, 4), (1, 8, 1))] + [(2, 2, 2)])
 def test_sharded_step_equals_single_device(tiny_config, small_model_config, mesh_shape, single_device_result):
   assert len(jax.devices()) == 8, 'tests run with XLA_FLAGS=--xla_force_host_platform_device_count=8'
   config, model_config, batch = _sharded_setup(tiny_config, small_model_config, np.random.default_rng(0))
@@ -202,7 +205,7 @@ def float32_dot_products(stablehlo: str) -> list[str]:
           if any(t.endswith('xf32>') for t in operands(line)) and 'lhs_precision_type = bf16' not in line]
 
 
-@pytest.mark.parametrize('fused', [True, False])
+@pytest.mark.parametrize('fused', [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_bfloat16_step_has_no_float32_dot_products(tiny_config, fused):
   """Every matrix product of the bf16 step (forward and backward, attention and output projection included)
   takes bf16 inputs; the float32 step, counted the same way, has only float32 ones."""

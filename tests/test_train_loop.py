@@ -68,6 +68,7 @@ def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, mo
   assert checkpointing.available_steps(workdir) == [3, 6]
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_wmt14_mock_run(tiny_config, tmp_path, monkeypatch):
   config = small_run(tiny_config, tmp_path)
   config.dataset = 'wmt14_translate/de-en'
@@ -247,6 +248,7 @@ def test_loss_guard_skips_isolated_non_finite_steps_and_stops_a_spike():
     nan_guard.update(2, float('nan'))
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_failed_save_stops_the_run_and_keeps_earlier_checkpoints(tiny_config, tmp_path, monkeypatch):
   config = small_run(tiny_config, tmp_path)
   original = checkpointing.save_state

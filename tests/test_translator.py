@@ -41,6 +41,7 @@ def test_translations_come_back_in_input_order(translator):
   assert len(set(together)) >= 3  # varied translations, so a reordering would not pass unnoticed
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_a_second_call_with_seen_lengths_compiles_nothing(translator):
   calls = lambda order: (translator.translate([LINES[i] for i in order]), translator.n_best(LINES, 2),
                          translator.score(LINES, TARGETS), translator.alignments(LINES, TARGETS))
@@ -166,6 +167,7 @@ def _member(translator, seed: int, **changes):
   return nn.meta.unbox(jax.jit(Transformer(config).init)(jax.random.key(seed), dummy, dummy)['params']), config
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_an_ensemble_of_one_is_the_model_and_of_two_copies_decodes_as_one(translator):
   options = {'beam_size': 2, 'length_penalty_alpha': 0.6, 'max_extra_length': 4}
   one = Translator([translator.params], [translator.model_config], translator.processor, **options)
@@ -198,6 +200,7 @@ def test_an_ensemble_of_two_models_scores_the_mean_of_their_log_probabilities(tr
     ensemble.alignments(sources, targets)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_slots_spread_over_eight_devices_translate_as_one_device_does(translator):
   """The engine's slots sharded over the suite's 8 CPU devices (the parameters replicated on each): the same
   translations, n-best lists and scores as one device, for beam search, greedy search and an ensemble."""

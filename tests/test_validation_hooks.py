@@ -39,6 +39,7 @@ def scripted(tiny_config, tmp_path, monkeypatch):
   return config, str(tmp_path / 'work'), evaluated
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_the_best_checkpoints_are_kept_and_the_run_stops_after_three_evaluations_without_improvement(scripted, capsys):
   config, workdir, evaluated = scripted
   result = train_loop.train_and_evaluate(config, workdir, jax.local_devices()[:1])
@@ -52,6 +53,7 @@ def test_the_best_checkpoints_are_kept_and_the_run_stops_after_three_evaluations
   assert Translator.from_workdir(workdir, checkpoint='best', weights='ema').checkpoints == (8,)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_a_resumed_run_keeps_its_best_and_its_count_of_evaluations_without_improvement(scripted):
   config, workdir, evaluated = scripted
   config.num_train_steps = 10
