@@ -122,11 +122,15 @@ def train_command(workdir, corpus_dir, steps=9, *extra):
           '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=0', '--config.mesh_shape=(1,1,1)', *extra]
 
 
+EVERY_PROCESS = os.path.join(ROOT, 'tests', 'helpers', 'every_process')  # its sitecustomize: each process of a
+# multi-process run writes its own compilation-cache entries
+
+
 def subprocess_env(devices=1):
   """The environment of a train.py / translate.py subprocess: `devices` CPU devices, the suite's cache and
   compile flags. devices=None leaves the device count to the program (the plan sets its own)."""
   count = f'--xla_force_host_platform_device_count={devices} ' if devices else ''
-  return dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=count + COMPILE_FLAGS)
+  return dict(os.environ, PYTHONPATH=os.pathsep.join((ROOT, EVERY_PROCESS)), XLA_FLAGS=count + COMPILE_FLAGS)
 
 
 TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4', '--config.ema_decay=0.9')
