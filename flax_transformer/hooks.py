@@ -53,7 +53,8 @@ class StepEnd:
 
   @property
   def checkpoint_due(self) -> bool:
-    ranked = self.training.keep_best > 0 and self.step % self.training.eval_every_steps == 0  # each evaluation ranks one
+    # each evaluation ranks one
+    ranked = self.training.keep_best > 0 and self.step % self.training.eval_every_steps == 0
     return self.step % self.training.checkpoint_every_steps == 0 or self.last or self.stop is not None or ranked
 
   @property

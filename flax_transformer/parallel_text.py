@@ -165,13 +165,11 @@ def parallel_lines(source_path: str, target_path: str):
 # --- Sources: each kind of parallel text is one registered class ---------------------------------
 
 class Source:
-  """A kind of parallel text, chosen by config.dataset, in one place: its fields (`fields`, a dataclass among
-  DataSettings' bases), `check` of a run config before anything runs, `prepare` of a split (fetch and check
-  what it reads), `pairs` of a split, and `identity` of the training split (what the token cache depends on).
-  A new source is a subclass registered with `@source('name')` and its fields class added to DataSettings'
-  bases (configs/base.py sets their values); `FALLBACK` takes every name no source registered."""
-  name: str = ''
-  fields: type = object
+  """A kind of parallel text, chosen by config.dataset, in one place: `check` of a run config before anything
+  runs, `prepare` of a split (fetch and check what it reads), `pairs` of a split, and `identity` of the training
+  split (what the token cache depends on); its fields are a dataclass beside it among DataSettings' bases. A new
+  source is a subclass registered with `@source('name')` and its fields class added to DataSettings' bases
+  (configs/base.py sets their values); `FALLBACK` takes every name no source registered."""
 
   def __init__(self, data: DataSettings):
     self.data = data
@@ -198,7 +196,6 @@ FALLBACK = 'tfds'  # config.dataset names no registered source: a tfds dataset n
 def source(name: str):
   """Class decorator: registers a Source under `name` (config.dataset=name)."""
   def register(cls: type[Source]) -> type[Source]:
-    cls.name = name
     SOURCES[name] = cls
     return cls
   return register
@@ -212,8 +209,8 @@ def source_for(data: DataSettings) -> Source:
 @source('files')
 class Files(Source):
   """Plain or .gz text files, one sentence a line, line for line: config.{split}_source / {split}_target,
-  fetched from config.download_url when missing (corpora.fetch), streamed from both files at once."""
-  fields = FileFields
+  fetched from config.download_url when missing (corpora.fetch), streamed from both files at once; its fields:
+  FileFields."""
 
   def check(self) -> None:
     for split in ('train', 'eval'):
@@ -253,8 +250,7 @@ class Files(Source):
 @source(FALLBACK)
 class Tfds(Source):
   """A tfds dataset prepared in config.data_dir (`tfds build NAME`; never downloaded by a run): its
-  {split}_split splits, the source_lang / target_lang features."""
-  fields = TfdsFields
+  {split}_split splits, the source_lang / target_lang features; its fields: TfdsFields."""
 
   def builder(self):
     import tensorflow_datasets as tfds

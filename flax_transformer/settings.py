@@ -109,7 +109,8 @@ def _declared() -> dict[str, dataclasses.Field]:
 
 def added() -> dict[str, object]:
   """Fields added since the first config.json files, with the value those runs had ('model.' for the model)."""
-  values = {name: f.metadata['before'] for name, f in _declared().items() if f.metadata['before'] is not settings_fields.NEW}
+  values = {name: f.metadata['before'] for name, f in _declared().items()
+            if f.metadata['before'] is not settings_fields.NEW}
   values.update((f'model.{f.name}', f.metadata['before']) for f in dataclasses.fields(TransformerConfig)
                 if f.metadata.get('before', settings_fields.NEW) is not settings_fields.NEW)
   return values

@@ -33,7 +33,8 @@ def build_hooks(run: startup.Run, log: MetricsLog, saver: Saver) -> list[hooks.H
   checkpoint = hooks.Checkpoint(run, saver, guard)
   evaluation = validation_hooks.Evaluation(run, log, signals)
   progress = hooks.Progress(run, log, evaluation.seconds)
-  history = read_evaluations(run.workdir, validation_hooks.judged_split(run), until=run.start_step) if run.start_step else {}
+  history = (read_evaluations(run.workdir, validation_hooks.judged_split(run), until=run.start_step)
+             if run.start_step else {})
   early_stopping = validation_hooks.EarlyStopping(loop.best_metric, loop.early_stopping_evaluations,
                                             {step: m[loop.best_metric] for step, m in history.items()
                                              if loop.best_metric in m}, verbose=run.is_chief)

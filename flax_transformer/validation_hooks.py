@@ -12,7 +12,8 @@ import time
 
 import jax
 
-from flax_transformer import cluster, parallel_text, partitioning, scoring, sentence_batches, storage, token_table, translator
+from flax_transformer import (cluster, parallel_text, partitioning, scoring, sentence_batches, storage, token_table,
+                              translator)
 from flax_transformer.checkpointing import HIGHER_IS_BETTER
 from flax_transformer.hooks import Hook, StepEnd, StopSignal
 from flax_transformer.metrics_log import MetricsLog

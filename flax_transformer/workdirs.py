@@ -36,8 +36,9 @@ def check(workdir: str, s: 'settings.Settings') -> None:
   steps = checkpointing.available_steps(workdir)
   if steps and saved and saved.training.seed != s.training.seed:
     raise WorkdirError(f'workdir {workdir} holds a run trained with config.seed={saved.training.seed} (checkpoint '
-                       f'{steps[-1]}) but this config has {s.training.seed}; a resumed run keeps its seed (initialisation, '
-                       f'dropout and data order): drop --config.seed, or use a new --workdir for another seed')
+                       f'{steps[-1]}) but this config has {s.training.seed}; a resumed run keeps its seed '
+                       f'(initialisation, dropout and data order): drop --config.seed, or use a new --workdir for '
+                       f'another seed')
   if steps:
     import flax.linen as nn
     from flax_transformer import partitioning

@@ -76,9 +76,7 @@ def test_a_new_source_is_one_registered_class_that_every_stage_reads_through(fil
 
   prepared = []
 
-  class JsonLines(parallel_text.Source):
-    fields = parallel_text.FileFields  # {split}_source: a file of {"source": ..., "target": ...} lines
-
+  class JsonLines(parallel_text.Source):  # {split}_source: a file of {"source": ..., "target": ...} lines
     def check(self):
       if not self.data.train_source.endswith('.jsonl'):
         raise ConfigError(f'config.train_source={self.data.train_source!r}: must be a .jsonl file')
