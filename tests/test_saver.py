@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flax_transformer import saver
+from flax_transformer import saver, storage
 
 
 class Manager:
@@ -41,10 +41,13 @@ class Manager:
 
 @pytest.fixture
 def saves(monkeypatch):
-  """checkpointing.save_state as the manager's save; the look at the workdir after a failure finds nothing."""
+  """checkpointing.save_state as the manager's save; the look at the workdir after a failure finds nothing. Each
+  test is one program's storage calls (storage.one_shutdown): a failure's shutdown deadline ends with it."""
   monkeypatch.setattr(saver.checkpointing, 'save_state', lambda manager, state, data, metrics: manager.save(0))
   monkeypatch.setattr(saver.checkpointing, 'remove_partial', lambda workdir, step: False)
   monkeypatch.setattr(saver.checkpointing, 'available_steps', lambda workdir: [4])
+  with storage.one_shutdown():
+    yield
 
 
 def test_a_save_that_ends_makes_its_step_the_newest_intact_one(saves):
