@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 # LLVM -O0 (see above); and in-process collectives of 8 CPU devices wait for each other as long as a starved
 # 2-core machine needs (XLA aborts the process after 40 s by default, a hang detector, not a limit on work).
@@ -126,11 +127,48 @@ EVERY_PROCESS = os.path.join(ROOT, 'tests', 'helpers', 'every_process')  # its s
 # multi-process run writes its own compilation-cache entries
 
 
+_fork_server = {}  # this pytest process's fork server: its process and socket path, once started
+
+
+def _fork_server_address() -> str | None:
+  """The socket of this process's fork server (tests/helpers/every_process/fork_server.py), started at the first
+  call; None with TEST_FRESH_INTERPRETERS=1 (every program then imports everything itself)."""
+  if os.environ.get('TEST_FRESH_INTERPRETERS') == '1':
+    return None
+  with _fork_server_lock:
+    if not _fork_server:
+      import atexit
+      import tempfile
+      path = os.path.join(tempfile.mkdtemp(prefix='fork_server_'), 'socket')
+      environment = {k: v for k, v in os.environ.items() if k != 'TEST_FORK_SERVER'}
+      environment['PYTHONPATH'] = os.pathsep.join((ROOT, EVERY_PROCESS))
+      process = subprocess.Popen([sys.executable, os.path.join(EVERY_PROCESS, 'fork_server.py'), path],
+                                 env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+      deadline = time.monotonic() + 60
+      while not os.path.exists(path) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # bound before it imports anything: launchers then wait in its queue
+      if not os.path.exists(path):
+        process.kill()
+        return None
+      atexit.register(process.kill)
+      _fork_server.update(process=process, path=path)
+    return _fork_server['path']
+
+
+_fork_server_lock = threading.Lock()
+
+
 def subprocess_env(devices=1):
   """The environment of a train.py / translate.py subprocess: `devices` CPU devices, the suite's cache and
-  compile flags. devices=None leaves the device count to the program (the plan sets its own)."""
+  compile flags, and the fork server that starts this repository's programs with TensorFlow imported.
+  devices=None leaves the device count to the program (the plan sets its own)."""
   count = f'--xla_force_host_platform_device_count={devices} ' if devices else ''
-  return dict(os.environ, PYTHONPATH=os.pathsep.join((ROOT, EVERY_PROCESS)), XLA_FLAGS=count + COMPILE_FLAGS)
+  environment = dict(os.environ, PYTHONPATH=os.pathsep.join((ROOT, EVERY_PROCESS)), XLA_FLAGS=count + COMPILE_FLAGS)
+  address = _fork_server_address()
+  if address:
+    environment['TEST_FORK_SERVER'] = address
+  return environment
 
 
 TRAINED_STEPS, TRAINED_FLAGS = 12, ('--config.keep_checkpoints=4', '--config.ema_decay=0.9')

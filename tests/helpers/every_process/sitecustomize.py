@@ -1,5 +1,6 @@
-"""Run by every Python process the suite starts (tests/conftest.py puts this folder on PYTHONPATH): every process
-of a multi-process run writes its own persistent-compilation-cache entries.
+"""Run by every Python process the suite starts (tests/conftest.py puts this folder on PYTHONPATH): a program of
+this repository is handed to the suite's fork server (fork_server.py: TensorFlow imported once, not in every
+process), and every process of a multi-process run writes its own persistent-compilation-cache entries.
 
 JAX writes them from process 0 only (against write contention on shared filesystems such as GCS), and process
 1's programs have cache keys of their own (its devices differ), so without this process 1 compiles every program
@@ -8,11 +9,15 @@ one local directory, so each process writing its own entries is safe. JAX's comp
 first imported; a process that never imports JAX pays nothing.
 """
 
-import importlib.abc
-import importlib.util
-import inspect
-import sys
-import warnings
+import fork_server
+
+fork_server.launch()  # returns unless the program ran in a fork (then exits as it did)
+
+import importlib.abc  # noqa: E402
+import importlib.util  # noqa: E402
+import inspect  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
 
 
 SIGNATURE = ['cache_key', 'compile_time_secs', 'module_name', 'backend', 'executable', 'host_callbacks']
