@@ -1,6 +1,7 @@
 """Run by every Python process the suite starts (tests/conftest.py puts this folder on PYTHONPATH): a program of
 this repository is handed to the suite's fork server (fork_server.py: TensorFlow imported once, not in every
-process), and every process of a multi-process run writes its own persistent-compilation-cache entries.
+process), every process of a multi-process run writes its own persistent-compilation-cache entries, and, with
+TEST_COMPILE_LOG=DIR, every program compiled or loaded is logged with its test and seconds (see _log_compiles).
 
 JAX writes them from process 0 only (against write contention on shared filesystems such as GCS), and process
 1's programs have cache keys of their own (its devices differ), so without this process 1 compiles every program
@@ -16,6 +17,7 @@ fork_server.launch()  # returns unless the program ran in a fork (then exits as 
 import importlib.abc  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
 
@@ -38,6 +40,34 @@ def _write_from_any_process(compiler) -> None:
   compiler._cache_write = cache_write
 
 
+def _log_compiles(compiler, log_dir: str) -> None:
+  """With TEST_COMPILE_LOG=DIR: one line per program this process compiles or loads from the cache, in DIR/PID
+  (tab-separated: the test that ran it, the program's name, seconds in all, seconds of XLA compilation), to see
+  where the suite's compilation time goes."""
+  import time
+  compile_and_load, compile_or_get_cached = compiler.backend_compile_and_load, compiler.compile_or_get_cached
+  compiled = []
+
+  def timed_compile(*args, **kwargs):
+    start = time.monotonic()
+    try:
+      return compile_and_load(*args, **kwargs)
+    finally:
+      compiled.append(time.monotonic() - start)
+
+  def timed(computation_holder, *args, **kwargs):
+    start, compiled[:] = time.monotonic(), []
+    try:
+      return compile_or_get_cached(computation_holder, *args, **kwargs)
+    finally:
+      name = str(args[0].operation.attributes['sym_name']).strip('"')
+      test = os.environ.get('PYTEST_CURRENT_TEST', ' '.join(sys.argv[:1])).split(' ')[0]
+      with open(os.path.join(log_dir, str(os.getpid())), 'a') as log:
+        log.write(f'{test}\t{name}\t{time.monotonic() - start:.3f}\t{sum(compiled):.3f}\n')
+
+  compiler.backend_compile_and_load, compiler.compile_or_get_cached = timed_compile, timed
+
+
 class _OnJaxCompilerImport(importlib.abc.MetaPathFinder):
   def find_spec(self, name, path, target=None):
     if name != 'jax._src.compiler':
@@ -49,6 +79,8 @@ class _OnJaxCompilerImport(importlib.abc.MetaPathFinder):
     def exec_module(module):
       load(module)
       _write_from_any_process(module)
+      if os.environ.get('TEST_COMPILE_LOG'):
+        _log_compiles(module, os.environ['TEST_COMPILE_LOG'])
     spec.loader.exec_module = exec_module
     return spec
 
