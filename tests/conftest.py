@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 # LLVM -O0 (see above); and in-process collectives of 8 CPU devices wait for each other as long as a starved
 # 2-core machine needs (XLA aborts the process after 40 s by default, a hang detector, not a limit on work).
@@ -46,14 +45,21 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from flax_transformer import tensorflow_setup  # noqa: E402
-
-tensorflow_setup.import_quietly()  # tf.data only, its start-up lines silenced (they would print after the summary)
-
-from configs import tiny  # noqa: E402
-from flax_transformer.model import TransformerConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+  """Where tests run (not in pytest-xdist's controller, which only hands them out): TensorFlow imported with its
+  start-up lines silenced (they would print after the summary); in a pytest-xdist worker the fork server
+  started at once (elsewhere by the first program a test starts), so that it is ready by the first test that
+  needs it."""
+  if getattr(config.option, 'numprocesses', None) and not hasattr(config, 'workerinput'):
+    return  # the controller of -n N: its workers do both
+  from flax_transformer import tensorflow_setup
+  tensorflow_setup.import_quietly()  # tf.data only
+  if hasattr(config, 'workerinput'):
+    threading.Thread(target=_fork_server_address, daemon=True).start()
 
 
 def pytest_collection_modifyitems(items):
@@ -73,12 +79,14 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture
 def tiny_config():
+  from configs import tiny
   return tiny.get_config()
 
 
 @pytest.fixture
 def small_model_config():
   """Small enough for seconds, wide enough that heads/FFN/vocab split 4 ways."""
+  from flax_transformer.model import TransformerConfig
   return TransformerConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2,
                            num_decoder_layers=2, dropout_rate=0.0, max_positions=64)
 
@@ -133,36 +141,13 @@ EVERY_PROCESS = os.path.join(ROOT, 'tests', 'helpers', 'every_process')  # its s
 # multi-process run writes its own compilation-cache entries
 
 
-_fork_server = {}  # this pytest process's fork server: its process and socket path, once started
-
-
 def _fork_server_address() -> str | None:
-  """The socket of this process's fork server (tests/helpers/every_process/fork_server.py), started at the first
-  call; None with TEST_FRESH_INTERPRETERS=1 (every program then imports everything itself)."""
+  """The socket of this pytest process's fork server, started at the first call; None with
+  TEST_FRESH_INTERPRETERS=1 (every program then imports everything itself)."""
   if os.environ.get('TEST_FRESH_INTERPRETERS') == '1':
     return None
-  with _fork_server_lock:
-    if not _fork_server:
-      import atexit
-      import tempfile
-      path = os.path.join(tempfile.mkdtemp(prefix='fork_server_'), 'socket')
-      environment = {k: v for k, v in os.environ.items() if k != 'TEST_FORK_SERVER'}
-      environment['PYTHONPATH'] = os.pathsep.join((ROOT, EVERY_PROCESS))
-      process = subprocess.Popen([sys.executable, os.path.join(EVERY_PROCESS, 'fork_server.py'), path],
-                                 env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-      deadline = time.monotonic() + 60
-      while not os.path.exists(path) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # bound before it imports anything: launchers then wait in its queue
-      if not os.path.exists(path):
-        process.kill()
-        return None
-      atexit.register(process.kill)
-      _fork_server.update(process=process, path=path)
-    return _fork_server['path']
-
-
-_fork_server_lock = threading.Lock()
+  from tests.helpers.every_process import fork_server  # one module, however this file was imported
+  return fork_server.started(dict(os.environ, PYTHONPATH=os.pathsep.join((ROOT, EVERY_PROCESS))))
 
 
 def subprocess_env(devices=1):

@@ -22,6 +22,7 @@ def make_step(config, model_config, mesh):
   return state, partitioning.jit_train_step(step, mesh, shardings)
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_first_loss_is_log_vocab_and_one_batch_is_overfit(tiny_config, np_rng):
   tiny_config.label_smoothing = 0.0
   tiny_config.model.dropout_rate = 0.0
@@ -70,7 +71,8 @@ def test_the_weights_moving_average_is_the_closed_form(tiny_config, np_rng):
                          jax.tree_util.tree_leaves(state.params)[0])  # the average lags the weights
 
 
-@pytest.mark.parametrize('mesh_shape', [(1, 1, 1), pytest.param((8, 1, 1), marks=pytest.mark.slow)])
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
+@pytest.mark.parametrize('mesh_shape', [(1, 1, 1), (8, 1, 1)])
 def test_gradient_accumulation_equals_one_big_batch(tiny_config, np_rng, mesh_shape):
   tiny_config.model.dropout_rate = 0.0
   tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 1  # compile time
@@ -109,7 +111,8 @@ def test_accumulation_keeps_each_device_rows(tiny_config, np_rng, monkeypatch):
   assert _token_gathers(tiny_config, np_rng)
 
 
-@pytest.mark.parametrize('share_embeddings,pre_norm', [pytest.param(True, False, marks=pytest.mark.slow), (False, True)])
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
+@pytest.mark.parametrize('share_embeddings,pre_norm', [(True, False), (False, True)])
 def test_fused_output_loss_step_equals_autodiff_step(tiny_config, np_rng, share_embeddings, pre_norm):
   tiny_config.model.share_embeddings, tiny_config.model.pre_norm = share_embeddings, pre_norm
   tiny_config.model.dropout_rate = 0.1  # same masks on both paths
@@ -160,8 +163,8 @@ def single_device_result():
   return _two_steps(config, model_config, batch, (1, 1, 1))
 
 
-@pytest.mark.parametrize('mesh_shape', [pytest.param(shape, marks=pytest.mark.slow) for shape in
-                                        ((8, 1, 1), (2, 4, 1), (2, 1, 4), (1, 8, 1))] + [(2, 2, 2)])
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
+@pytest.mark.parametrize('mesh_shape', [(8, 1, 1), (2, 4, 1), (2, 1, 4), (1, 8, 1), (2, 2, 2)])
 def test_sharded_step_equals_single_device(tiny_config, small_model_config, mesh_shape, single_device_result):
   assert len(jax.devices()) == 8, 'tests run with XLA_FLAGS=--xla_force_host_platform_device_count=8'
   config, model_config, batch = _sharded_setup(tiny_config, small_model_config, np.random.default_rng(0))

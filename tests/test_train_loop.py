@@ -44,6 +44,7 @@ def small_run(config, tmp_path):
   return config
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_files_run_writes_checkpoints_vocab_and_events(tiny_config, tmp_path, monkeypatch):
   config = small_run(tiny_config, tmp_path)
   config.eval_every_steps = 3
@@ -378,6 +379,7 @@ def test_a_damaged_config_file_is_a_one_line_error(trained_run, tmp_path):
   assert checkpointing.available_steps(workdir) == [3, 6, 9, 12]
 
 
+@pytest.mark.slow  # 8 s or more of compilation and steps on 2 cores (the marker)
 def test_a_learning_rate_far_too_large_stops_the_run(tiny_config, tmp_path):
   """10^4 x the paper's rate: the loss climbs into the thousands but stays finite; the run stops instead
   of training on, and names the last checkpoint from before the rise."""

@@ -21,6 +21,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 
 ADDRESS = 'TEST_FORK_SERVER'  # the environment variable that holds the server's socket path
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -176,6 +177,34 @@ def serve(path: str) -> None:
       connection.close()
   for pid in children:
     os.kill(pid, signal.SIGKILL)
+
+
+_started = {}  # in a pytest process: its server's process and socket path
+_starting = threading.Lock()
+
+
+def started(environment: dict) -> str | None:
+  """In a pytest process: the socket path of its server, started with `environment` at the first call (bound
+  before it imports anything, so launchers may queue at once); None if it could not start."""
+  import atexit
+  import subprocess
+  import tempfile
+  import time
+  with _starting:
+    if not _started:
+      path = os.path.join(tempfile.mkdtemp(prefix='fork_server_'), 'socket')
+      environment = {k: v for k, v in environment.items() if k != ADDRESS}
+      process = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], env=environment,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+      deadline = time.monotonic() + 60
+      while not os.path.exists(path) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+      if not os.path.exists(path):
+        process.kill()
+        return None
+      atexit.register(process.kill)
+      _started.update(process=process, path=path)
+    return _started['path']
 
 
 if __name__ == '__main__':
