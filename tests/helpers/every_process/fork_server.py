@@ -80,7 +80,11 @@ def launch() -> None:
     return  # no server (it was stopped): a fresh interpreter, as without one
   _send(connection, {'program': program, 'environment': dict(os.environ), 'cwd': os.getcwd()}, (0, 1, 2))
   replies = connection.makefile('r')
-  child = int(replies.readline().split()[1])
+  started = replies.readline()
+  if not started:  # the server ended before forking it: a fresh interpreter, as without one
+    connection.close()
+    return
+  child = int(started.split()[1])
   for number in FORWARDED:
     signal.signal(number, lambda number, _: os.kill(child, number))
   how, value = (replies.readline() or 'signal 9').split()
