@@ -98,8 +98,7 @@ def _run_forked(connection, request: dict, fds: list[int]) -> int:
   """In the fork: become the program the launcher was started as, and run it."""
   import io
   import runpy
-  import threading
-  for number in FORWARDED + (signal.SIGCHLD,):
+  for number in FORWARDED:
     signal.signal(number, signal.SIG_DFL)
   signal.signal(signal.SIGINT, signal.default_int_handler)
   for target, fd in enumerate(fds):
@@ -128,13 +127,11 @@ def _run_forked(connection, request: dict, fds: list[int]) -> int:
   paths = [p for p in sys.path[1:] if p not in old_paths]
   if 'numpy' in sys.modules:  # a fresh interpreter seeds numpy's global generator from the OS
     sys.modules['numpy'].random.seed()
+  sys.argv = [name, *args]  # run_module puts the module's file in argv[0], as `python -m` does
+  sys.path[:] = [os.path.dirname(name) if kind == 'script' else os.getcwd(), *new_paths, *paths]
   if kind == 'script':
-    sys.argv = [name, *args]
-    sys.path[:] = [os.path.dirname(name), *new_paths, *paths]
     runpy.run_path(name, run_name='__main__')
   else:
-    sys.argv = [name, *args]
-    sys.path[:] = [os.getcwd(), *new_paths, *paths]
     runpy.run_module(name, run_name='__main__', alter_sys=True)
   return 0
 

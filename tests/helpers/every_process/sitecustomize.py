@@ -55,13 +55,13 @@ def _log_compiles(compiler, log_dir: str) -> None:
     finally:
       compiled.append(time.monotonic() - start)
 
-  def timed(computation_holder, *args, **kwargs):
+  def timed(backend, computation, *args, **kwargs):
     start, compiled[:] = time.monotonic(), []
     try:
-      return compile_or_get_cached(computation_holder, *args, **kwargs)
+      return compile_or_get_cached(backend, computation, *args, **kwargs)
     finally:
-      name = str(args[0].operation.attributes['sym_name']).strip('"')
-      test = os.environ.get('PYTEST_CURRENT_TEST', ' '.join(sys.argv[:1])).split(' ')[0]
+      name = str(computation.operation.attributes['sym_name']).strip('"')
+      test = os.environ.get('PYTEST_CURRENT_TEST', sys.argv[0] if sys.argv else '').split(' ')[0]
       with open(os.path.join(log_dir, str(os.getpid())), 'a') as log:
         log.write(f'{test}\t{name}\t{time.monotonic() - start:.3f}\t{sum(compiled):.3f}\n')
 
