@@ -129,8 +129,12 @@ def test_fused_output_loss_step_equals_autodiff_step(tiny_config, np_rng, share_
   (fused_state, fused_metrics), (plain_state, plain_metrics) = results
   for name in ('loss', 'nll', 'accuracy', 'grad_norm'):
     np.testing.assert_allclose(float(fused_metrics[name]), float(plain_metrics[name]), rtol=1e-5, err_msg=name)
+  # Adam's first update is lr · g / (|g| + eps): an element whose gradient nearly cancels takes the round-off
+  # of the two paths' different summation orders into its step. Seen: 1 of 1024 entries off by 2.5e-6
+  # (AVX-512) after one step of lr 0.0079. A wrong fused gradient moves many entries by a sizeable part of
+  # that lr; 5e-5 (0.6% of it) tells the two apart.
   for a, b in zip(jax.tree_util.tree_leaves(fused_state.params), jax.tree_util.tree_leaves(plain_state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-5)
 
 
 def _sharded_setup(tiny_config, small_model_config, np_rng):
