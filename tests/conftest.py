@@ -62,6 +62,12 @@ def pytest_configure(config):
     threading.Thread(target=_fork_server_address, daemon=True).start()
 
 
+def pytest_collection_finish(session):
+  """Once the test modules are imported: the garbage collector set as the fork server sets it for its programs."""
+  from tests.helpers.every_process import fork_server
+  fork_server.freeze_imported_objects()
+
+
 def pytest_collection_modifyitems(items):
   """Under pytest-xdist, the slow tests first, in file order, so that the longest start at once instead of at
   the end of a worker's queue (every worker sorts the same way); within each, the tests of the shared trained

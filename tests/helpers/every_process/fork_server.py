@@ -136,6 +136,16 @@ def _run_forked(connection, request: dict, fds: list[int]) -> int:
   return 0
 
 
+def freeze_imported_objects() -> None:
+  """After the heavy imports: their millions of objects moved out of the garbage collector's reach (they live as
+  long as the process), and collections made rarer. Tracing a jitted step allocates objects by the million; with
+  TensorFlow imported each full collection walked everything. Measured on test_search, test_translator and
+  test_model in one process: 80.0 s -> 74.2 s (freeze) -> 71.9 s (and the thresholds), medians of two."""
+  import gc
+  gc.freeze()
+  gc.set_threshold(50_000, 20, 20)  # Python's default: (700, 10, 10)
+
+
 def serve(path: str) -> None:
   """Binds `path` (launchers may connect at once and wait), imports TensorFlow, then forks a program per
   connection and tells its launcher the fork's pid and, when it ends, its exit status. Ends with its parent."""
@@ -148,6 +158,7 @@ def serve(path: str) -> None:
   from flax_transformer import tensorflow_setup
   tensorflow_setup.import_quietly()
   import tensorflow_datasets  # noqa: F401  (read by the tfds source)
+  freeze_imported_objects()
   children = {}  # pid -> the connection to its launcher
   while os.getppid() == parent:
     if select.select([listener], [], [], 0.05)[0]:
