@@ -26,7 +26,7 @@ import pytest
 from flax_transformer import checkpointing, corpora, storage
 from flax_transformer.commands import average, export, serve, train, translate
 from flax_transformer.errors import ArgumentError
-from tests.conftest import TRAINED_FLAGS, TRAINED_STEPS, free_port, subprocess_env, train_command
+from tests.conftest import ROOT, TRAINED_FLAGS, TRAINED_STEPS, free_port, subprocess_env, train_command
 from tests.helpers import gcs_emulator
 
 PROGRAMS = {'translate': translate.main, 'train': train.main, 'average': average.main, 'export': export.main,
@@ -508,10 +508,13 @@ def _errors(stderr: str) -> list[str]:
 
 @pytest.mark.slow
 def test_what_only_a_process_shows(trained_run, tmp_path):
-  """Seven cases at once (each waits on a timeout or a signal, not the CPU): process 0 of 2 started alone; two
-  processes of one run with different seeds; a gs:// workdir whose server cannot be reached; a gs:// server that
-  stops answering (SIGSTOP) during a step, during a save and during the evaluation's writes, each run stopping
-  within its storage timeout plus the shutdown's few seconds; SIGINT pressed twice."""
+  """Eight cases at once (each waits on a timeout, a signal or a sleep, not the CPU): process 0 of 2 started
+  alone; two processes of one run with different seeds; a gs:// workdir whose server cannot be reached; a gs://
+  server that stops answering (SIGSTOP) during a step, during a save and during the evaluation's writes, each run
+  stopping within its storage timeout plus the shutdown's few seconds; SIGINT pressed twice; two processes of one
+  run whose process 0 takes 40 s longer to train the vocabulary while process 1 waits for it (on CPU a device
+  collective would give up after 30 s), then SIGTERM to process 1 alone stops both at one step, with one
+  checkpoint saved there."""
   _, corpus = trained_run
   base = [sys.executable] + train_command('{workdir}', corpus, 30)[1:]
   command = lambda workdir, *extra: [a.format(workdir=workdir) for a in base] + list(extra)
@@ -540,12 +543,21 @@ def test_what_only_a_process_shows(trained_run, tmp_path):
       frozen[name] = _started(command('gs://bucket/run', f'--config.storage_timeout_seconds={FROZEN_TIMEOUT}', *flags),
                               env=dict(subprocess_env(), **variables))
     interrupted = _started(command(tmp_path / 'sigint', '--config.num_train_steps=400'))
+    port = free_port()
+    slow_vocabulary = [_started(
+        [sys.executable, os.path.join(ROOT, 'tests', 'helpers', 'slow_vocabulary_train.py')]
+        + [a for a in command(tmp_path / 'slow')[2:] if not a.startswith('--config.mesh_shape=')]
+        + ['--config.num_train_steps=2000', '--config.checkpoint_every_steps=1000', '--config.num_processes=2',
+           '--config.mesh_shape=(2,1,1)', f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'],
+        env=dict(subprocess_env(), SLOW_VOCABULARY_SECONDS='40')) for i in (0, 1)]
     stopped_at = {}
     cues = [(frozen[name], frozen_flags[name][0], lambda name=name: (emulators[name].send_signal(signal.SIGSTOP),
                                                         stopped_at.setdefault(name, time.monotonic())))
             for name in frozen]
     cues += [(interrupted, 'step 5/', lambda: interrupted.send_signal(signal.SIGINT)),
-             (interrupted, 'SIGINT received: the run stops', lambda: interrupted.send_signal(signal.SIGINT))]
+             (interrupted, 'SIGINT received: the run stops', lambda: interrupted.send_signal(signal.SIGINT)),
+             (slow_vocabulary[0], 'step 3/', lambda: slow_vocabulary[1].send_signal(signal.SIGTERM))]  # process 1
+    # alone is told; process 0 must stop with it
     def follow(process, cued):  # each act as soon as its cue is printed, each process read by its own thread
       for cue, act in cued:
         for line in process.stdout:
@@ -559,7 +571,8 @@ def test_what_only_a_process_shows(trained_run, tmp_path):
     for thread in followers:
       thread.join()
     processes = {'alone': alone, 'seed 0': seeds[0], 'seed 1': seeds[1], 'unreachable': unreachable, **frozen,
-                 'interrupted': interrupted}
+                 'interrupted': interrupted, 'slow vocabulary 0': slow_vocabulary[0],
+                 'slow vocabulary 1': slow_vocabulary[1]}
     outcomes, ended_at = {}, {}
 
     def wait(name, process):
@@ -573,8 +586,9 @@ def test_what_only_a_process_shows(trained_run, tmp_path):
   finally:
     for process in (alone, *seeds, unreachable, *frozen.values(), *emulators.values()):
       process.kill()
-    if 'interrupted' in locals():
-      interrupted.kill()
+    for process in [locals().get('interrupted'), *locals().get('slow_vocabulary', [])]:
+      if process is not None:
+        process.kill()
   expected = {
       'alone': 'error: process 0 of 2: process 1 did not join within 5 s (waiting as the coordinator at localhost:',
       'seed 0': 'error: process 1 of 2: config.seed=1 but process 0 has 0 (1 field(s) differ); start every process',
@@ -603,3 +617,10 @@ def test_what_only_a_process_shows(trained_run, tmp_path):
   assert 'SIGINT received again: the run is saving its checkpoint' in stdout, stdout[-2000:]
   assert checkpointing.available_steps(tmp_path / 'sigint')[-1] >= 5
   assert not os.path.exists(tmp_path / 'alone' / 'config.json')  # nothing written by a run that never started
+  for name in ('slow vocabulary 0', 'slow vocabulary 1'):
+    status, stderr, stdout = outcomes[name]
+    assert status == 0 and 'Traceback' not in stderr, (name, stdout[-2000:] + stderr[-2000:])
+  saved = [int(w) for l in outcomes['slow vocabulary 0'][2].splitlines()
+           if l.startswith('SIGTERM received: checkpoint saved at step') for w in l.replace(';', ' ').split() if w.isdigit()]
+  assert len(saved) == 1 and 3 <= saved[0] < 2000, outcomes['slow vocabulary 0'][2][-2000:]
+  assert checkpointing.available_steps(tmp_path / 'slow') == saved

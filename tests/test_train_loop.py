@@ -163,39 +163,6 @@ def test_sigterm_saves_exits_zero_and_abandons_an_evaluation(corpus, tmp_path):
   assert checkpointing.available_steps(workdir)[-1] == 4
 
 
-def _two_process_commands(workdir, corpus, steps, script=os.path.join(ROOT, 'train.py')):
-  """The commands of processes 0 and 1 of one run on localhost, one CPU device each."""
-  from tests.test_partitioning import _free_port
-  port = _free_port()
-  base = [a for a in train_command(workdir, corpus, steps) if not a.startswith('--config.mesh_shape=')]
-  base[1] = script
-  return [base + ['--config.mesh_shape=(2,1,1)', '--config.num_processes=2',
-                  f'--config.coordinator_address=localhost:{port}', f'--config.process_id={i}'] for i in (0, 1)]
-
-
-@pytest.mark.slow
-def test_two_processes_wait_for_a_slow_vocabulary_and_stop_together_on_sigterm(corpus, tmp_path):
-  """One two-process run, two behaviours: process 0 takes 40 s longer to train the vocabulary while process 1
-  waits for it (on CPU a device collective would give up after 30 s); then SIGTERM to process 1 alone stops
-  both processes at the same step, with one checkpoint saved there."""
-  workdir = str(tmp_path / 'two')
-  commands = [c + ['--config.checkpoint_every_steps=1000'] for c in _two_process_commands(
-      workdir, corpus, 2000, script=os.path.join(ROOT, 'tests', 'helpers', 'slow_vocabulary_train.py'))]
-  env = dict(subprocess_env(), SLOW_VOCABULARY_SECONDS='40')
-  chief, other = (subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                  for c in commands)
-  for line in chief.stdout:
-    if line.startswith('step 3/'):
-      other.send_signal(signal.SIGTERM)  # only process 1 is told; process 0 must stop with it
-      break
-  outputs = [p.communicate(timeout=300)[0] for p in (chief, other)]
-  assert chief.returncode == 0 and other.returncode == 0, outputs[0][-2000:] + outputs[1][-2000:]
-  saved = [int(w) for l in outputs[0].splitlines() if l.startswith('SIGTERM received: checkpoint saved at step')
-           for w in l.replace(';', ' ').split() if w.isdigit()]
-  assert len(saved) == 1 and 3 <= saved[0] < 2000
-  assert checkpointing.available_steps(workdir) == saved
-
-
 @pytest.mark.slow
 def test_bad_input_is_a_one_line_error(corpus, tmp_path):
   unwritable = tmp_path / 'ro'

@@ -1,6 +1,6 @@
 """train.py whose process 0 takes SLOW_VOCABULARY_SECONDS longer to build the vocabulary (a big corpus).
 
-python tests/helpers/slow_vocabulary_train.py [train.py flags]; used by tests/test_train_loop.py to check that the
+python tests/helpers/slow_vocabulary_train.py [train.py flags]; used by tests/test_bad_input.py to check that the
 other processes of a multi-process run wait for the vocabulary however long it takes.
 """
 
