@@ -564,18 +564,18 @@ def test_what_only_a_process_shows(trained_run, tmp_path):
           if line.startswith(cue):
             act()
             break
-    followers = [threading.Thread(target=follow, args=(p, [(c, a) for q, c, a in cues if q is p]))
-                 for p in {id(q): q for q, _, _ in cues}.values()]
-    for thread in followers:
+    followers = {id(p): threading.Thread(target=follow, args=(p, [(c, a) for q, c, a in cues if q is p]))
+                 for p in {id(q): q for q, _, _ in cues}.values()}
+    for thread in followers.values():
       thread.start()
-    for thread in followers:
-      thread.join()
     processes = {'alone': alone, 'seed 0': seeds[0], 'seed 1': seeds[1], 'unreachable': unreachable, **frozen,
                  'interrupted': interrupted, 'slow vocabulary 0': slow_vocabulary[0],
                  'slow vocabulary 1': slow_vocabulary[1]}
     outcomes, ended_at = {}, {}
 
-    def wait(name, process):
+    def wait(name, process):  # as soon as its own cues are acted on: its exit is timed, not the others' cues
+      if id(process) in followers:
+        followers[id(process)].join()
       outcomes[name] = (process.wait(timeout=300), *process.communicate()[::-1])
       ended_at[name] = time.monotonic()
     waiting = [threading.Thread(target=wait, args=item) for item in processes.items()]
