@@ -1,4 +1,4 @@
-"""Two processes × 4 CPU devices through train.py, as on a two-host pod: 2 length buckets, strided
+"""Two processes × 4 CPU devices through train.py, as on a two-host pod: 3 length buckets, strided
 gradient accumulation, evaluation with BLEU, kill -9 and resume on a gs:// workdir (a local GCS emulator),
 averaging and translation from gs://; one-process evaluation agrees; the global batch stream continued by one
 process and then by two again."""
@@ -25,7 +25,7 @@ from tests.helpers.corpus import write_corpus
 from tests.test_partitioning import _free_port
 from tests.conftest import ROOT, subprocess_env
 
-STEPS = 8
+STEPS = 12
 # Each test starts train.py processes that compile every batch shape; the module's tests share one reference run.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('two_hosts')]
 
@@ -37,7 +37,7 @@ def _commands(workdir, corpus, extra=()):
           f'--workdir={workdir}', '--config.dataset=files',
           f'--config.train_source={corpus}/train.src.gz', f'--config.train_target={corpus}/train.tgt.gz',
           f'--config.eval_source={corpus}/eval.src.gz', f'--config.eval_target={corpus}/eval.tgt.gz',
-          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=2', '--config.max_train_length=32',
+          '--config.bucket_shapes=longer_side', '--config.num_bucket_boundaries=3', '--config.max_train_length=32',
           '--config.max_eval_length=32', '--config.tokens_per_batch=512', '--config.gradient_accumulation_steps=2',
           f'--config.num_train_steps={STEPS}', '--config.checkpoint_every_steps=4', '--config.eval_every_steps=6',
           '--config.log_every_steps=1', '--config.num_eval_bleu_sentences=6', '--config.mesh_shape=(2,2,2)',
@@ -95,7 +95,7 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
     (storage.path(bucket_corpus) / name).write_bytes((storage.path(corpus) / name).read_bytes())
   env, cwd = {**subprocess_env(4), **gcs}, tmp_path / 'cwd'
   cwd.mkdir()
-  # Checkpoints at 2 and 4 before the kill, 6 and 8 after (the losses do not depend on it; each save to the
+  # Checkpoints at 2 and 4 before the kill, 6 and 12 after (the losses do not depend on it; each save to the
   # emulator takes seconds); a 10 s heartbeat: process 0 names the lost process after 5 s.
   commands = _commands(killed, bucket_corpus, ['--config.checkpoint_every_steps=2', '--config.heartbeat_timeout_seconds=10'])
   processes, outputs, exit_seconds = _run(commands, kill_after_step=5, workdir=killed, env=env, cwd=cwd)  # after checkpoint 4
@@ -189,20 +189,20 @@ def _one_process(command):
 
 
 def test_resume_on_one_process_then_on_two_continues_the_global_stream(corpus, reference, tmp_path):
-  """The two-process run's checkpoint 4 continued by one process with all 8 devices to step 6, then by two
-  processes again to step 8: every step's global batch holds the reference run's rows."""
+  """The two-process run's checkpoint 4 continued by one process with all 8 devices to step 8, then by two
+  processes again to step 12: every step's global batch holds the reference run's rows."""
   expected_dir, _ = reference
   workdir = tmp_path / 'moved'
-  shutil.copytree(expected_dir, workdir, ignore=shutil.ignore_patterns('8', 'tensorboard'))
+  shutil.copytree(expected_dir, workdir, ignore=shutil.ignore_patterns('8', '12', 'tensorboard'))
   metrics = workdir / 'train_metrics.jsonl'
   metrics.write_text(''.join(line for line in metrics.read_text().splitlines(True) if json.loads(line)['step'] <= 4))
   commands = _commands(str(workdir), corpus)
-  one = subprocess.run(_one_process(commands[0]) + ['--config.num_train_steps=6'], env=subprocess_env(8),
+  one = subprocess.run(_one_process(commands[0]) + ['--config.num_train_steps=8'], env=subprocess_env(8),
                        capture_output=True, text=True, timeout=600)
   assert one.returncode == 0 and 'resumed from step 4' in one.stdout, one.stdout[-3000:] + one.stderr[-3000:]
   processes, outputs, _ = _run(commands)
   assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-  assert all('resumed from step 6' in output for output in outputs)
+  assert all('resumed from step 8' in output for output in outputs)
   comparison = compare_runs.compare(expected_dir, str(workdir))
   print(comparison)
   assert comparison['last_step'] == STEPS and comparison['differing_batches'] == []
