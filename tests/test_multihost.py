@@ -96,13 +96,13 @@ def test_two_hosts_on_gcs_resume_bitwise_after_kill(corpus, reference, gcs, tmp_
   env, cwd = {**subprocess_env(4), **gcs}, tmp_path / 'cwd'
   cwd.mkdir()
   # Checkpoints at 2 and 4 before the kill, 6 and 12 after (the losses do not depend on it; each save to the
-  # emulator takes seconds); a 10 s heartbeat: process 0 names the lost process after 5 s.
+  # emulator takes seconds); a 10 s heartbeat: process 0 names the lost process after 2.5 s.
   commands = _commands(killed, bucket_corpus, ['--config.checkpoint_every_steps=2', '--config.heartbeat_timeout_seconds=10'])
   processes, outputs, exit_seconds = _run(commands, kill_after_step=5, workdir=killed, env=env, cwd=cwd)  # after checkpoint 4
   assert processes[1].returncode == -signal.SIGKILL
   print(f'process 0 exited {exit_seconds} s after process 1 was killed:', outputs[0].strip().splitlines()[-1])
   assert processes[0].returncode == 1  # it stopped by itself, naming the lost process
-  assert outputs[0].strip().splitlines()[-1].startswith('error: process 1 of 2 stopped responding 5 s ago')
+  assert outputs[0].strip().splitlines()[-1].startswith('error: process 1 of 2 stopped responding 2.5 s ago')
   assert checkpointing.available_steps(killed)[:2] == [2, 4]
   data_state = storage.path(killed) / 'checkpoints' / '4' / 'data' / 'process_1.json'
   data_state.write_text(data_state.read_text()[:20])  # damage that process 1 alone reads
